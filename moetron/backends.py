@@ -1,0 +1,72 @@
+"""Which optional accelerators are present, and why not when they are missing.
+
+Backends are chosen by capability (DESIGN principle 4). Nothing here imports an
+optional package at module load: each probe imports lazily when asked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    name: str
+    available: bool
+    reason: str
+
+
+def _has_module(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _cuda_reason() -> str | None:
+    return None if torch.cuda.is_available() else "no CUDA device"
+
+
+def _probe(name: str, module: str | None, needs_cuda: bool, what: str) -> BackendStatus:
+    if module is not None and not _has_module(module):
+        return BackendStatus(name, False, f"python package '{module}' is not installed ({what})")
+    if needs_cuda and _cuda_reason():
+        return BackendStatus(name, False, f"{_cuda_reason()} ({what} runs on GPU only)")
+    return BackendStatus(name, True, what)
+
+
+def backend_status() -> list[BackendStatus]:
+    """Every optional backend moetron knows, with availability and a reason."""
+    grouped_mm = hasattr(torch, "_grouped_mm")
+    return [
+        BackendStatus("torch", True, f"torch {torch.__version__}: reference paths, CPU and GPU"),
+        BackendStatus("torch_grouped_mm", grouped_mm,
+                      "torch._grouped_mm grouped GEMM" if grouped_mm else "this torch has no torch._grouped_mm"),
+        _probe("grouped_gemm", "grouped_gemm", True, "grouped_gemm package expert GEMMs"),
+        _probe("flash_attn", "flash_attn", True, "flash-attn attention core"),
+        _probe("transformer_engine", "transformer_engine", True, "Transformer Engine fused attention"),
+        _probe("deep_ep", "deep_ep", True, "DeepEP dispatch/combine"),
+        _probe("nvshmem", "nvshmem", True, "nvshmem4py all-to-all"),
+        _probe("triton", "triton", False, "Triton kernels (TRITON_INTERPRET=1 on CPU)"),
+        BackendStatus("gloo", torch.distributed.is_available() and torch.distributed.is_gloo_available(),
+                      "CPU collectives"),
+        BackendStatus("nccl", torch.distributed.is_available() and torch.distributed.is_nccl_available()
+                      and torch.cuda.is_available(), "GPU collectives"),
+    ]
+
+
+def require(name: str) -> None:
+    """Raise a clear error if the named backend cannot run here (never fall back silently)."""
+    for status in backend_status():
+        if status.name == name:
+            if not status.available:
+                raise RuntimeError(f"backend '{name}' was requested but is unavailable: {status.reason}. "
+                                   f"Run `moetron env` to see what this machine supports.")
+            return
+    raise ValueError(f"unknown backend '{name}'; known: {[s.name for s in backend_status()]}")
+
+
+def format_env() -> str:
+    rows = [f"{'backend':<20} {'available':<10} reason"]
+    rows += [f"{s.name:<20} {'yes' if s.available else 'no':<10} {s.reason}" for s in backend_status()]
+    return "\n".join(rows)

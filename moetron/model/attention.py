@@ -1,0 +1,95 @@
+"""Self-attention of the two families: GQA with q/k norms (Qwen3) and MLA (DeepSeek-V3).
+
+Both take hidden states [B,S,H] and the rotary `(cos, sin)` and return [B,S,H];
+the attention core itself is `core_attention`, one seam for every backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetron.config import ModelConfig
+from moetron.model.attention_core import core_attention
+from moetron.model.norm import RMSNorm
+from moetron.model.rope import yarn_softmax_scale
+from moetron.ops import apply_rope
+
+
+def _linear(cfg: ModelConfig, n_in: int, n_out: int, bias: bool = False) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out, bias=bias)
+    nn.init.normal_(layer.weight, std=cfg.init_std)
+    if bias:
+        nn.init.zeros_(layer.bias)
+    return layer
+
+
+class GroupedQueryAttention(nn.Module):
+    """GQA with RMSNorm on each head of q and k before RoPE (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _linear(cfg, cfg.hidden_size, self.num_heads * self.head_dim, cfg.attention_bias)
+        self.k_proj = _linear(cfg, cfg.hidden_size, self.num_kv_heads * self.head_dim, cfg.attention_bias)
+        self.v_proj = _linear(cfg, cfg.hidden_size, self.num_kv_heads * self.head_dim, cfg.attention_bias)
+        self.o_proj = _linear(cfg, self.num_heads * self.head_dim, cfg.hidden_size, cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, S, _ = x_BSH.shape
+        q = self.q_norm(self.q_proj(x_BSH).view(B, S, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x_BSH).view(B, S, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x_BSH).view(B, S, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = core_attention(q, k, v, self.head_dim ** -0.5, self.cfg.attention_backend)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class MultiLatentAttention(nn.Module):
+    """MLA: queries (optionally through a low-rank `q_lora_rank` bottleneck) and keys/values
+    decompressed from a `kv_lora_rank` latent; one rotary key part shared by all heads."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.num_heads = cfg.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk_dim = self.nope_dim + self.rope_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = _linear(cfg, cfg.hidden_size, self.num_heads * qk_dim)
+        else:
+            self.q_a_proj = _linear(cfg, cfg.hidden_size, cfg.q_lora_rank, cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = _linear(cfg, cfg.q_lora_rank, self.num_heads * qk_dim)
+        self.kv_a_proj_with_mqa = _linear(cfg, cfg.hidden_size, cfg.kv_lora_rank + self.rope_dim, cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = _linear(cfg, cfg.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim))
+        self.o_proj = _linear(cfg, self.num_heads * self.v_dim, cfg.hidden_size, cfg.attention_bias)
+        self.softmax_scale = yarn_softmax_scale(qk_dim, cfg.rope_scaling)
+
+    def queries(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        if self.cfg.q_lora_rank is None:
+            return self.q_proj(x_BSH)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSH)))
+
+    def forward(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        B, S, _ = x_BSH.shape
+        h, interleaved = self.num_heads, self.cfg.rope_interleave
+        q = self.queries(x_BSH).view(B, S, h, -1).transpose(1, 2)
+        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
+
+        latent, k_rot = self.kv_a_proj_with_mqa(x_BSH).split([self.cfg.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, h, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+
+        cos, sin = rope
+        q_rot = apply_rope(q_rot, cos, sin, interleaved)
+        k_rot = apply_rope(k_rot.view(B, 1, S, self.rope_dim), cos, sin, interleaved)
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(B, h, S, self.rope_dim)), dim=-1)
+        out = core_attention(q, k, v, self.softmax_scale, self.cfg.attention_backend)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))

@@ -1,0 +1,71 @@
+"""The attention core behind one seam: softmax(q k^T * scale + causal) v.
+
+Backends: `sdpa` (torch's scaled_dot_product_attention; flash kernels on GPU),
+`eager` (explicit matmuls, the readable reference), `flash_attn` and `te`
+(Transformer Engine), the last two GPU-only and used only when asked for.
+Shapes: q [B,h,S,dqk], k [B,h_kv,S,dqk], v [B,h_kv,S,dv]; dv may differ from dqk
+(MLA). Returns [B,h,S,dv].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moetron import backends
+
+
+def _expand_kv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Repeat each kv head for its group of query heads (kv head j serves heads j*g..j*g+g-1)."""
+    groups = num_heads // t.shape[1]
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _eager(q, k, v, scale):
+    S = q.shape[-2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(causal, float("-inf")).float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _flash_attn(q, k, v, scale):
+    from flash_attn import flash_attn_func  # optional GPU package
+
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv < dqk:  # flash-attn wants one head size: pad v, slice the output
+        v = F.pad(v, (0, dqk - dv))
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                          softmax_scale=scale, causal=True)
+    return out.transpose(1, 2)[..., :dv]
+
+
+_te_modules: dict = {}
+
+
+def _te(q, k, v, scale):
+    import transformer_engine.pytorch as te  # optional GPU package
+
+    B, h, S, dqk = q.shape
+    dv = v.shape[-1]
+    key = (h, k.shape[1], dqk, dv, scale)
+    if key not in _te_modules:
+        _te_modules[key] = te.DotProductAttention(h, (dqk, dv), num_gqa_groups=k.shape[1],
+                                                  attn_mask_type="causal", qkv_format="bshd",
+                                                  softmax_scale=scale)
+    out = _te_modules[key](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.view(B, S, h, dv).transpose(1, 2)
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   backend: str = "sdpa") -> torch.Tensor:
+    if backend == "flash_attn":
+        backends.require("flash_attn")
+        return _flash_attn(q, k, v, scale)
+    if backend == "te":
+        backends.require("transformer_engine")
+        return _te(q, k, v, scale)
+    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    if backend == "eager":
+        return _eager(q, k, v, scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)

@@ -1,0 +1,23 @@
+"""The gated SwiGLU MLP: dense layers and shared experts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetron.ops import swiglu
+
+
+class MLP(nn.Module):
+    """`down(silu(gate(x)) * up(x))`, with Hugging Face's parameter names."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, init_std: float = 0.02):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+        for linear in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(linear.weight, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))

@@ -1,0 +1,128 @@
+"""MoETransformer: the causal LM of both families, with MTP and MoE losses.
+
+`model(input_ids)` returns logits; `model(input_ids, labels=labels)` also returns
+the losses. `labels[b, i]` is the target of position i (already shifted: usually
+`input_ids[b, i+1]`), -100 where ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moetron.config import ModelConfig
+from moetron.model.layer import DecoderLayer
+from moetron.model.mtp import MTPModule, shift_left
+from moetron.model.norm import RMSNorm
+from moetron.model.rope import RotaryEmbedding
+from moetron.moe.layer import MoELayer
+from moetron.ops import cross_entropy
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ModelOutput:
+    """`loss` is the LM loss; `total_loss` (LM + weighted MTP) is what training differentiates.
+
+    Balancing losses are reported in `aux_losses` (summed over layers, detached):
+    their gradients are injected inside the router, never through `total_loss`.
+    """
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None
+    total_loss: torch.Tensor | None = None
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    num_tokens: int = 0
+
+    @property
+    def lm_loss(self) -> torch.Tensor | None:
+        return self.loss
+
+    @property
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the load-balancing losses (z-loss excluded), or None when none ran."""
+        values = [v for k, v in self.aux_losses.items() if k != "z_loss"]
+        return torch.stack(values).sum() if values else None
+
+
+def lm_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Mean token cross-entropy over the non-ignored labels, and their count."""
+    count = int((labels != IGNORE_INDEX).sum())
+    return cross_entropy(logits, labels, IGNORE_INDEX) / max(count, 1), count
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        nn.init.normal_(self.embed_tokens.weight, std=cfg.init_std)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            nn.init.normal_(self.lm_head.weight, std=cfg.init_std)
+        self.mtp = nn.ModuleList(MTPModule(cfg, d + 1) for d in range(cfg.num_mtp_layers))
+        self.rotary = RotaryEmbedding(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(h, self.output_weight())
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [m for m in self.modules() if isinstance(m, MoELayer)]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> ModelOutput:
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device).unsqueeze(0)
+        h = self.embed_tokens(input_ids)
+        rope = self.rotary(position_ids, h.dtype)
+        for layer in self.layers:
+            h = layer(h, rope)
+        logits = self.head(self.norm(h))
+        out = ModelOutput(logits=logits)
+        if labels is not None:
+            out.loss, out.num_tokens = lm_cross_entropy(logits, labels)
+            out.total_loss = out.loss
+            if len(self.mtp):
+                out.mtp_loss = self._mtp_loss(h, input_ids, labels, rope)
+                out.total_loss = out.loss + self.config.mtp_loss_weight * out.mtp_loss
+        out.aux_losses = self._collect_aux_losses()
+        return out
+
+    def _mtp_loss(self, h, input_ids, labels, rope) -> torch.Tensor:
+        """Mean over depths of each MTP module's cross-entropy on tokens depth+1 ahead."""
+        losses = []
+        for module in self.mtp:
+            k = module.depth
+            future_ids = shift_left(labels, k - 1, IGNORE_INDEX).clamp_min(0)  # token t[i+k]
+            h, normed = module(h, self.embed_tokens(future_ids), rope)
+            loss, _ = lm_cross_entropy(self.head(normed), shift_left(labels, k, IGNORE_INDEX))
+            losses.append(loss)
+        return torch.stack(losses).mean()
+
+    def _collect_aux_losses(self) -> dict[str, torch.Tensor]:
+        totals: dict[str, torch.Tensor] = {}
+        for layer in self.moe_layers():
+            for name, value in layer.aux_losses.items():
+                totals[name] = totals.get(name, 0.0) + value
+        return totals
+
+    @torch.no_grad()
+    def update_expert_bias(self, group=None) -> None:
+        """Aux-loss-free balancing step for every MoE layer; call once per global batch."""
+        for layer in self.moe_layers():
+            layer.update_expert_bias(group)
+
+    def load_stats(self) -> dict[int, dict[str, float]]:
+        """Load statistics of the last forward, keyed by decoder layer index."""
+        return {i: l.mlp.stats() for i, l in enumerate(self.layers) if l.is_moe}

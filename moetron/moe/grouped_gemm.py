@@ -1,0 +1,82 @@
+"""The one seam through which every expert GEMM runs.
+
+`grouped_linear(x_NH, w_EOH, rows_per_expert)` is `F.linear` applied per expert to
+consecutive row blocks. Backends: `torch._grouped_mm` (CPU and Hopper GPUs), the
+`grouped_gemm` package (GPU), and a per-expert loop that always works.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moetron import backends
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    torch._grouped_mm's backward rejects expanded (zero-stride) gradients, such as
+    the one `y.sum()` produces.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _aligned(t: torch.Tensor, *dims: int) -> bool:
+    return all(d * t.element_size() % 16 == 0 for d in dims)
+
+
+def _grouped_mm(x_NH, w_EOH, rows_per_expert):
+    offsets = torch.cumsum(rows_per_expert, 0).to(torch.int32)
+    y = torch._grouped_mm(x_NH, w_EOH.transpose(-2, -1), offs=offsets)
+    return _ContiguousGrad.apply(y)
+
+
+def _loop(x_NH, w_EOH, rows_per_expert):
+    chunks = torch.split(x_NH, rows_per_expert.tolist())  # one host sync
+    return torch.cat([F.linear(chunk, w_EOH[e]) for e, chunk in enumerate(chunks)])
+
+
+def _grouped_gemm_pkg(x_NH, w_EOH, rows_per_expert):
+    from grouped_gemm import ops  # optional GPU package
+
+    return ops.gmm(x_NH, w_EOH, rows_per_expert.cpu(), trans_b=True)
+
+
+_BACKENDS = {"torch_grouped_mm": _grouped_mm, "loop": _loop, "grouped_gemm": _grouped_gemm_pkg}
+
+
+def resolve_backend(name: str, x: torch.Tensor, w_EOH: torch.Tensor) -> str:
+    """Pick the backend for `auto`; check a named one can run."""
+    if name != "auto":
+        if name != "loop":
+            backends.require(name)
+        if name == "torch_grouped_mm" and not _aligned(x, w_EOH.shape[-1], w_EOH.shape[-2]):
+            raise ValueError(f"torch_grouped_mm needs row sizes that are multiples of 16 bytes; "
+                             f"got in={w_EOH.shape[-1]} out={w_EOH.shape[-2]} in {x.dtype}: "
+                             f"use expert_backend='loop' or 'auto'")
+        return name
+    usable_dtype = x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.is_cuda:
+        major, _ = torch.cuda.get_device_capability(x.device)
+        if hasattr(torch, "_grouped_mm") and major >= 9 and x.dtype == torch.bfloat16:
+            return "torch_grouped_mm" if _aligned(x, w_EOH.shape[-1], w_EOH.shape[-2]) else "loop"
+        return "grouped_gemm" if backends._has_module("grouped_gemm") else "loop"
+    if hasattr(torch, "_grouped_mm") and usable_dtype and _aligned(x, w_EOH.shape[-1], w_EOH.shape[-2]):
+        return "torch_grouped_mm"
+    return "loop"
+
+
+def grouped_linear(x_NH: torch.Tensor, w_EOH: torch.Tensor, rows_per_expert: torch.Tensor,
+                   backend: str = "auto") -> torch.Tensor:
+    """`y[rows of e] = x[rows of e] @ w[e].T` for consecutive row blocks, one per expert."""
+    if x_NH.shape[0] == 0:
+        return x_NH.new_zeros(0, w_EOH.shape[-2]) + 0 * w_EOH.sum()  # keep w in the graph
+    return _BACKENDS[resolve_backend(backend, x_NH, w_EOH)](x_NH, w_EOH, rows_per_expert)

@@ -1,0 +1,147 @@
+"""TopKRouter: scores, top-k selection, capacity, and balancing losses, all in fp32."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetron.dispatch.routing import Routing
+from moetron.moe import balancing
+from moetron.moe.config import MoEConfig
+
+
+@dataclass
+class RouterLosses:
+    """Detached values of the balancing losses of one forward (their gradients are injected)."""
+
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Slots per expert: `ceil(T * k / E * capacity_factor)`."""
+    return math.ceil(num_tokens * top_k / num_experts * capacity_factor)
+
+
+def drop_over_capacity(topk_idx_TK, topk_weights_TK, num_experts: int, cap: int, policy: str):
+    """Drop the slots beyond each expert's capacity: lowest weight first (`probs`) or latest token first."""
+    T, K = topk_idx_TK.shape
+    chosen_TE = torch.zeros(T, num_experts, dtype=torch.bool, device=topk_idx_TK.device)
+    chosen_TE.scatter_(1, topk_idx_TK, True)
+    if policy == "position":
+        keep_TE = chosen_TE & (torch.cumsum(chosen_TE.int(), dim=0) <= cap)
+    else:
+        weight_TE = torch.full((T, num_experts), -1.0, device=topk_idx_TK.device)
+        weight_TE.scatter_(1, topk_idx_TK, topk_weights_TK.detach().float())
+        top_rows = torch.topk(weight_TE, min(cap, T), dim=0).indices  # [cap, E]
+        keep_TE = torch.zeros_like(chosen_TE).scatter_(0, top_rows, True) & chosen_TE
+    keep_TK = keep_TE.gather(1, topk_idx_TK)
+    return topk_idx_TK.masked_fill(~keep_TK, -1), topk_weights_TK.masked_fill(~keep_TK, 0.0)
+
+
+class TopKRouter(nn.Module):
+    """Scores every expert for every token and picks the top k (DESIGN: one `Routing` out).
+
+    softmax (before or after top-k) or sigmoid scores; an optional expert bias that
+    changes which experts are chosen but never the weights (aux-loss-free balancing);
+    group-limited selection; a scaling factor on the weights.
+    """
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        nn.init.normal_(self.weight, std=config.init_std)
+        if config.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        self.balance_group = None  # the data-parallel group, to balance over the global batch
+        self._global_running = None
+
+    def _group_limit(self, choice_TE: torch.Tensor) -> torch.Tensor:
+        """Keep only each token's best `topk_groups` groups (scored by their top-2 sum)."""
+        cfg = self.config
+        T = choice_TE.shape[0]
+        grouped = choice_TE.view(T, cfg.num_groups, -1)
+        group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        best_groups = group_score.topk(cfg.topk_groups, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best_groups, True)
+        return grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(T, -1)
+
+    def forward(self, x_TH: torch.Tensor, seq_len: int | None = None) -> tuple[Routing, RouterLosses, torch.Tensor]:
+        """Return the routing, the detached loss values, and the top-k counts before drops."""
+        cfg = self.config
+        logits_TE = F.linear(x_TH.float(), self.weight.float())
+        if cfg.score_func == "sigmoid":
+            scores_TE = torch.sigmoid(logits_TE)
+        elif cfg.softmax_before_topk:
+            scores_TE = torch.softmax(logits_TE, dim=-1)
+        else:
+            scores_TE = logits_TE
+        choice_TE = scores_TE.detach()
+        if self.expert_bias is not None:
+            choice_TE = choice_TE + self.expert_bias
+        if cfg.num_groups is not None:
+            choice_TE = self._group_limit(choice_TE)
+        topk_idx = torch.topk(choice_TE, cfg.top_k, dim=-1).indices
+        weights = scores_TE.gather(1, topk_idx)
+        if cfg.score_func == "softmax" and not cfg.softmax_before_topk:
+            weights = torch.softmax(weights, dim=-1)
+        elif cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if cfg.scaling_factor != 1.0:
+            weights = weights * cfg.scaling_factor
+        selected_counts = torch.bincount(topk_idx.reshape(-1), minlength=cfg.num_experts)
+
+        weights, losses = self._balancing_losses(logits_TE, topk_idx, weights, selected_counts, seq_len)
+        cap = None
+        if cfg.capacity_factor is not None:
+            cap = capacity(x_TH.shape[0], cfg.num_experts, cfg.top_k, cfg.capacity_factor)
+            topk_idx, weights = drop_over_capacity(topk_idx, weights, cfg.num_experts, cap, cfg.drop_policy)
+        return Routing.from_topk(topk_idx, weights, cfg.num_experts, cap), losses, selected_counts
+
+    def _balancing_losses(self, logits_TE, topk_idx, weights, counts_E, seq_len):
+        cfg = self.config
+        losses = RouterLosses()
+        if not (self.training and torch.is_grad_enabled()):
+            return weights, losses
+        if cfg.aux_loss_type != "none" and cfg.aux_loss_coeff > 0:
+            probs_TE = balancing.balance_probs(logits_TE, cfg.score_func)
+            if cfg.aux_loss_type == "seq_aux_loss":
+                aux = balancing.seq_aux_loss(probs_TE, topk_idx, seq_len or logits_TE.shape[0])
+            elif cfg.aux_loss_type == "global_aux_loss":
+                global_counts, global_tokens = self.global_counts(counts_E, logits_TE.shape[0])
+                aux = balancing.switch_aux_loss(probs_TE, global_counts, cfg.top_k, global_tokens)
+            else:
+                aux = balancing.switch_aux_loss(probs_TE, counts_E, cfg.top_k)
+            aux = aux * cfg.aux_loss_coeff
+            weights = balancing.inject_aux_loss(weights, aux)
+            losses.values[cfg.aux_loss_type] = aux.detach()
+        if cfg.z_loss_coeff > 0:
+            zl = balancing.z_loss(logits_TE) * cfg.z_loss_coeff
+            weights = balancing.inject_aux_loss(weights, zl)
+            losses.values["z_loss"] = zl.detach()
+        return weights, losses
+
+    def global_counts(self, counts_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, int]:
+        """Counts of the global batch so far (this micro-batch included), summed over `balance_group`."""
+        counts = counts_E.float()
+        tokens = torch.tensor(float(num_tokens), device=counts.device)
+        if self.balance_group is not None:
+            both = torch.cat([counts, tokens.view(1)])
+            torch.distributed.all_reduce(both, group=self.balance_group)
+            counts, tokens = both[:-1], both[-1]
+        prev = self._global_running
+        if prev is not None:
+            counts, tokens = counts + prev[0], tokens + prev[1]
+        self._global_running = (counts, tokens)
+        return counts, float(tokens)
+
+    def reset_global_counts(self) -> None:
+        """Start a new global batch for `global_aux_loss`."""
+        self._global_running = None
+

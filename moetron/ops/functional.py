@@ -1,0 +1,90 @@
+"""The hot elementwise pieces of the model, each one function with a swappable body.
+
+The unfused bodies are the reference (they match Hugging Face transformers'
+numerics). `set_fusion("compile")` routes the same calls through `torch.compile`d
+versions of the same bodies, so a fused kernel never changes the math written
+here. Library kernels (Liger, Transformer Engine) plug in the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+FUSION_MODES = ("none", "compile")
+_mode = "none"
+_compiled: dict[str, Callable] = {}
+
+
+def set_fusion(mode: str) -> None:
+    """Choose `none` (reference eager ops) or `compile` (torch.compile'd kernels)."""
+    global _mode
+    if mode not in FUSION_MODES:
+        raise ValueError(f"fusion mode {mode!r} is unknown; choose one of {FUSION_MODES}")
+    _mode = mode
+
+
+def fusion_mode() -> str:
+    return _mode
+
+
+def _dispatch(name: str, reference: Callable) -> Callable:
+    if _mode == "none":
+        return reference
+    if name not in _compiled:
+        _compiled[name] = torch.compile(reference, dynamic=True)
+    return _compiled[name]
+
+
+def _rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32, cast back, then scale: the order transformers uses.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    # x [B,h,S,d]; cos/sin [B or 1,S,d] holding each frequency twice (halves layout).
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if not interleaved:
+        return x * cos + _rotate_half(x) * sin
+    # Interleaved pairs (x0,x1),(x2,x3)... rotate by one frequency each; the output
+    # is written in halves layout, as DeepSeek's checkpoints expect.
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _cross_entropy_ref(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=ignore_index, reduction="sum")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _dispatch("rms_norm", _rms_norm_ref)(x, weight, eps)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _dispatch("swiglu", _swiglu_ref)(gate, up)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    return _dispatch("rope", _rope_ref)(x, cos, sin, interleaved)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Summed token cross-entropy in fp32 (divide by the token count you want)."""
+    return _dispatch("cross_entropy", _cross_entropy_ref)(logits, labels, ignore_index)

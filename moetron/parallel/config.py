@@ -1,0 +1,184 @@
+"""Parallel layout configuration, validated before any process group exists.
+
+A layout is two rank grids over the same ranks ("parallel folding"): attention uses
+TP x CP x DP x PP and experts use ETP x EP x EDP x PP. DP and EDP are whatever is left of the
+world size, so they are derived in `resolve(world_size)` rather than configured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DIMS = ("tp", "cp", "ep", "dp", "pp")
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    """Split an order string like "tp-cp-ep-dp-pp"; the first name varies fastest."""
+    names = tuple(order.split("-"))
+    if sorted(names) != sorted(DIMS):
+        raise ValueError(
+            f"order={order!r} must name each of {'-'.join(DIMS)} exactly once, separated by '-'"
+        )
+    return names
+
+
+@dataclass
+class ParallelConfig:
+    """Sizes of each parallel dimension.
+
+    etp=None means "same as tp" (Megatron-Core's default). sp=True with tp=1 is accepted and
+    does nothing: sequence parallel shards activations over the TP group, so a recipe that enables
+    it must still run on one process (tiny proxies, tests) without toggling a second field.
+    """
+
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    pp: int = 1
+    vpp: int = 1
+    sp: bool = False
+    order: str = "tp-cp-ep-dp-pp"
+
+    def __post_init__(self) -> None:
+        if self.etp is None:
+            self.etp = self.tp
+        for name in ("tp", "cp", "ep", "etp", "pp", "vpp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError(
+                f"vpp={self.vpp} needs pipeline parallelism: virtual stages interleave across "
+                "pp ranks, so set pp > 1 or vpp=1"
+            )
+        parse_order(self.order)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether sequence parallel is actually in effect (it needs a TP group to shard over)."""
+        return self.sp and self.tp > 1
+
+    def resolve(self, world_size: int) -> ParallelSizes:
+        """Check the layout against a world size and derive dp and edp."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} must be an integer >= 1")
+        attn = self.tp * self.cp * self.pp
+        if world_size % attn:
+            raise ValueError(
+                f"world_size={world_size} is not divisible by tp*cp*pp = "
+                f"{self.tp}*{self.cp}*{self.pp} = {attn} (attention grid TP x CP x DP x PP)"
+            )
+        expert = self.etp * self.ep * self.pp
+        if world_size % expert:
+            raise ValueError(
+                f"world_size={world_size} is not divisible by etp*ep*pp = "
+                f"{self.etp}*{self.ep}*{self.pp} = {expert} (expert grid ETP x EP x EDP x PP)"
+            )
+        sizes = ParallelSizes(
+            world_size=world_size, tp=self.tp, cp=self.cp, dp=world_size // attn, pp=self.pp,
+            ep=self.ep, etp=self.etp, edp=world_size // expert, vpp=self.vpp,
+            sp=self.sequence_parallel, order=parse_order(self.order),
+        )
+        _check_pp_groups_agree(sizes)
+        return sizes
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """A ParallelConfig resolved against a world size: every dimension, dp and edp included."""
+
+    world_size: int
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    ep: int
+    etp: int
+    edp: int
+    vpp: int
+    sp: bool
+    order: tuple[str, ...]
+
+    def attention_grid(self) -> dict[str, int]:
+        """Sizes per order name for TP x CP x DP x PP (ep is not a dimension of attention)."""
+        return {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
+
+    def expert_grid(self) -> dict[str, int]:
+        """Sizes per order name for ETP x EP x EDP x PP: tp -> etp, dp -> edp, no cp."""
+        return {"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp}
+
+
+def _check_pp_groups_agree(sizes: ParallelSizes) -> None:
+    """Both grids share one pipeline: a rank must sit on the same stage in each.
+
+    PP groups coincide exactly when the dimensions ordered before pp span the same number of
+    ranks in both grids (always true when pp is last, as in the default order).
+    """
+    before = sizes.order[: sizes.order.index("pp")]
+    attn, expert = sizes.attention_grid(), sizes.expert_grid()
+    attn_span = _prod(attn[d] for d in before)
+    expert_span = _prod(expert[d] for d in before)
+    if attn_span != expert_span:
+        names = "*".join(before) or "(nothing)"
+        raise ValueError(
+            f"order={'-'.join(sizes.order)!r} puts {names} before pp; they span {attn_span} ranks "
+            f"in the attention grid but {expert_span} in the expert grid, so a rank would sit on "
+            "different pipeline stages for attention and experts. Put pp last in the order or "
+            "make the spans equal"
+        )
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def validate_for_model(
+    parallel: ParallelConfig,
+    *,
+    num_attention_heads: int,
+    num_kv_heads: int | None = None,
+    num_experts: int | None = None,
+    moe_ffn_hidden_size: int | None = None,
+    ffn_hidden_size: int | None = None,
+    num_layers: int | None = None,
+    seq_length: int | None = None,
+    custom_pipeline_layout: bool = False,
+) -> None:
+    """Check that the model's shapes split evenly over the layout; raise ValueError naming both."""
+    tp, cp, ep, etp = parallel.tp, parallel.cp, parallel.ep, parallel.etp
+
+    def divides(size_name: str, size: int, what: str, value: int | None) -> None:
+        if value is not None and value % size:
+            raise ValueError(f"{size_name}={size} does not divide {what}={value}")
+
+    divides("tp", tp, "num_attention_heads", num_attention_heads)
+    if num_kv_heads is not None and num_kv_heads % tp and tp % num_kv_heads:
+        raise ValueError(
+            f"tp={tp} and num_kv_heads={num_kv_heads}: kv heads are split over tp when tp divides "
+            "them and replicated when they divide tp; neither holds"
+        )
+    divides("ep", ep, "num_experts", num_experts)
+    divides("etp", etp, "moe_ffn_hidden_size", moe_ffn_hidden_size)
+    divides("tp", tp, "ffn_hidden_size", ffn_hidden_size)
+    if num_layers is not None and not custom_pipeline_layout:
+        stages = parallel.pp * parallel.vpp
+        if num_layers % stages:
+            raise ValueError(
+                f"pp*vpp = {parallel.pp}*{parallel.vpp} = {stages} does not divide "
+                f"num_layers={num_layers}; give a pipeline layout string for uneven stages"
+            )
+    if seq_length is not None:
+        if cp > 1 and seq_length % (2 * cp):
+            raise ValueError(
+                f"2*cp = {2 * cp} does not divide seq_length={seq_length} (the causal "
+                "load-balanced split gives each cp rank two chunks)"
+            )
+        if parallel.sequence_parallel and (seq_length // cp) % tp:
+            raise ValueError(
+                f"tp={tp} does not divide the per-cp-rank sequence {seq_length}//{cp} = "
+                f"{seq_length // cp} (sequence parallel shards it over tp)"
+            )
