@@ -33,7 +33,8 @@ def _handle_and_size(group: GroupLike) -> tuple[dist.ProcessGroup | None, int]:
     if isinstance(group, dist.ProcessGroup):
         return group, dist.get_world_size(group)
     raise TypeError(
-        f"expected a moetron Group (from ParallelState) or a ProcessGroup, got {type(group).__name__}"
+        "expected a moetron Group (from ParallelState) or a ProcessGroup, "
+        f"got {type(group).__name__}"
     )
 
 
@@ -205,7 +206,9 @@ def split(x: torch.Tensor, group: GroupLike, dim: int = 0) -> torch.Tensor:
 
 def _check_splits(x, size, output_split_sizes, input_split_sizes):
     if (output_split_sizes is None) != (input_split_sizes is None):
-        raise ValueError("all_to_all: pass both output_split_sizes and input_split_sizes, or neither")
+        raise ValueError(
+            "all_to_all: pass both output_split_sizes and input_split_sizes, or neither"
+        )
     if input_split_sizes is None:
         if x.shape[0] % size:
             raise ValueError(
@@ -245,7 +248,8 @@ def all_to_all(
     _check_splits(x, size, output_split_sizes, input_split_sizes)
     if size == 1:
         return x
-    return _AllToAll.apply(x, handle, _as_list(output_split_sizes), _as_list(input_split_sizes), None)
+    splits = _as_list(output_split_sizes), _as_list(input_split_sizes)
+    return _AllToAll.apply(x, handle, *splits, None)
 
 
 class PendingAllToAll:
@@ -279,9 +283,8 @@ def all_to_all_async(
     if size == 1:
         pending._out = x
     else:
-        pending._out = _AllToAll.apply(
-            x, handle, _as_list(output_split_sizes), _as_list(input_split_sizes), pending
-        )
+        splits = _as_list(output_split_sizes), _as_list(input_split_sizes)
+        pending._out = _AllToAll.apply(x, handle, *splits, pending)
     return pending
 
 

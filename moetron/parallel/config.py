@@ -97,7 +97,7 @@ class ParallelSizes:
     etp: int
     edp: int
     vpp: int
-    sp: bool
+    sp: bool  # sequence parallel in effect (requested and tp > 1)
     order: tuple[str, ...]
 
     def attention_grid(self) -> dict[str, int]:

@@ -195,30 +195,28 @@ def parse_layout(
     flat = _Parser(text).sequence(None)
     items = [(c, p) for c, p in flat if c != "|"]
     if not items:
-        raise LayoutError(f"bad pipeline layout {text!r}: it holds no items; it needs at least E and L")
+        raise LayoutError(f"bad pipeline layout {text!r}: it holds no items; it needs E and L")
 
     e_pos = [p for c, p in items if c == "E"]
     l_pos = [p for c, p in items if c == "L"]
     if not e_pos:
-        raise LayoutError(f"bad pipeline layout {text!r}: no 'E' (embedding); the layout must start with E")
+        raise LayoutError(f"bad pipeline layout {text!r}: no 'E' (embedding); it must start with E")
     if len(e_pos) > 1:
         raise _point(text, e_pos[1], "a second 'E'; the embedding appears exactly once, first")
     if items[0][0] != "E" or flat[0][0] != "E":
         raise _point(text, e_pos[0], "'E' must be the first item of the first stage")
     if not l_pos:
-        raise LayoutError(f"bad pipeline layout {text!r}: no 'L' (loss); the layout must end with L")
+        raise LayoutError(f"bad pipeline layout {text!r}: no 'L' (loss); it must end with L")
     if len(l_pos) > 1:
         raise _point(text, l_pos[0], "more than one 'L'; the loss head appears exactly once, last")
     if items[-1][0] != "L" or flat[-1][0] != "L":
         raise _point(text, l_pos[0], "'L' must be the last item of the last stage")
 
-    first_m = next((p for c, p in items if c == "m"), None)
-    if first_m is not None:
-        seen_m = False
-        for c, p in items:
-            seen_m = seen_m or c == "m"
-            if seen_m and c == "t":
-                raise _point(text, p, "decoder layer 't' after an MTP layer 'm'; MTP comes after all decoder layers")
+    seen_mtp = False
+    for c, p in items:
+        seen_mtp = seen_mtp or c == "m"
+        if seen_mtp and c == "t":
+            raise _point(text, p, "decoder layer 't' after an MTP layer 'm'; MTP comes last")
     n_t = sum(c == "t" for c, _ in items)
     n_m = sum(c == "m" for c, _ in items)
     if n_t != num_layers:
@@ -245,8 +243,8 @@ def parse_layout(
         )
     if len(groups) % pp:
         raise LayoutError(
-            f"bad pipeline layout {text!r}: it has {len(groups)} stages, not a multiple of pp={pp}; "
-            "add or remove '|' (empty stages are allowed)"
+            f"bad pipeline layout {text!r}: it has {len(groups)} stages, not a multiple of "
+            f"pp={pp}; add or remove '|' (empty stages are allowed)"
         )
 
     counters = {"t": 0, "m": 0}
@@ -340,7 +338,8 @@ def estimate_item_costs(
     def moe(i: int) -> bool:
         return num_experts > 0 and i >= first_k_dense
 
-    flops = [attn_flops + 2 * s * (moe_active if moe(i) else dense_params) for i in range(num_layers)]
+    flops = [attn_flops + 2 * s * (moe_active if moe(i) else dense_params)
+             for i in range(num_layers)]
     params = [attn_params + (moe_params if moe(i) else dense_params) for i in range(num_layers)]
     mtp_ffn_flops, mtp_ffn_params = (moe_active, moe_params) if num_experts else (dense_params,) * 2
     mtp_flops = [attn_flops + 2 * s * (mtp_ffn_flops + 2 * h * h + head_params)] * mtp_layers
