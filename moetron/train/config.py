@@ -1,0 +1,47 @@
+"""TrainConfig: optimisation, batch and logging settings of a run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seq_len: int = 128
+    micro_batch_size: int = 8
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 1
+    metrics_file: str | None = None
+    data: str = "builtin"  # "builtin": the Python standard library's sources, byte-tokenized
+    peak_tflops: float | None = None  # the device's peak, for the MFU estimate
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seq_len", "micro_batch_size", "grad_accum", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.lr <= 0:
+            raise ValueError(f"TrainConfig.lr={self.lr} must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"TrainConfig.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.data != "builtin":
+            raise ValueError(f"TrainConfig.data={self.data!r}: only 'builtin' is available so far")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up then cosine decay to `lr * min_lr_ratio` (step counts from 0)."""
+        import math
+
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        floor = self.lr * self.min_lr_ratio
+        return floor + (self.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))

@@ -1,0 +1,53 @@
+"""Built-in training data: the running interpreter's own standard library, byte-tokenized.
+
+Real text that exists on every machine, so the default recipe needs no download.
+Batches are a pure function of (seed, step, micro-batch), which makes sampling
+deterministic and resumable from any step.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+
+BYTE_VOCAB = 256
+
+
+def stdlib_corpus(max_bytes: int = 8 * 1024 * 1024) -> torch.Tensor:
+    """Bytes of the standard library's .py files (sorted paths, capped), as int64 tokens."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "dist-packages" in path.parts:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        total += len(data) + 1
+        if total >= max_bytes:
+            break
+    if total < 1024:
+        raise RuntimeError(f"found only {total} bytes of Python sources under {root}; pass a data file instead")
+    blob = b"\n".join(chunks)[:max_bytes]
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(torch.int64)
+
+
+class TokenBatches:
+    """Random windows of a token stream: inputs and their next-token labels."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, batch_size: int, seed: int):
+        if tokens.numel() <= seq_len + 1:
+            raise ValueError(f"data has {tokens.numel()} tokens, fewer than seq_len+1={seq_len + 1}")
+        self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
+
+    def batch(self, step: int, micro: int = 0, shard: int = 0, num_shards: int = 1
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of (step, micro-batch); `shard` of `num_shards` data-parallel ranks."""
+        gen = torch.Generator().manual_seed(hash((self.seed, step, micro, shard, num_shards)) % (2**63))
+        starts = torch.randint(0, self.tokens.numel() - self.seq_len - 1, (self.batch_size,), generator=gen)
+        windows = torch.stack([self.tokens[s: s + self.seq_len + 1] for s in starts.tolist()])
+        return windows[:, :-1], windows[:, 1:]
