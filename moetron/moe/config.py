@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSS_TYPES = ("none", "aux_loss", "seq_aux_loss", "global_aux_loss")
 DROP_POLICIES = ("probs", "position")
-EXPERT_BACKENDS = ("auto", "torch_grouped_mm", "loop", "grouped_gemm", "te")
+EXPERT_BACKENDS = ("auto", "torch_grouped_mm", "loop", "grouped_gemm")
 
 
 def _fail(field_name: str, value, rule: str) -> None:
@@ -69,6 +69,10 @@ class MoEConfig:
         if (self.num_groups is None) != (self.topk_groups is None):
             _fail("num_groups", self.num_groups, "set num_groups and topk_groups together")
         if self.num_groups is not None:
+            for name in ("num_groups", "topk_groups"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or value < 1:
+                    _fail(name, value, "must be a positive integer")
             if self.num_experts % self.num_groups:
                 _fail("num_groups", self.num_groups, f"must divide num_experts={self.num_experts}")
             if not 1 <= self.topk_groups <= self.num_groups:
@@ -79,8 +83,9 @@ class MoEConfig:
                       f"exceeds the {self.topk_groups * per_group} experts in {self.topk_groups} groups")
         if self.aux_loss_type not in AUX_LOSS_TYPES:
             _fail("aux_loss_type", self.aux_loss_type, f"choose one of {AUX_LOSS_TYPES}")
-        if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0:
-            _fail("aux_loss_coeff", self.aux_loss_coeff, "loss coefficients must be >= 0")
+        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                _fail(name, getattr(self, name), "must be >= 0")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             _fail("capacity_factor", self.capacity_factor, "must be > 0, or None for dropless")
         if self.drop_policy not in DROP_POLICIES:

@@ -78,5 +78,5 @@ def grouped_linear(x_NH: torch.Tensor, w_EOH: torch.Tensor, rows_per_expert: tor
                    backend: str = "auto") -> torch.Tensor:
     """`y[rows of e] = x[rows of e] @ w[e].T` for consecutive row blocks, one per expert."""
     if x_NH.shape[0] == 0:
-        return x_NH.new_zeros(0, w_EOH.shape[-2]) + 0 * w_EOH.sum()  # keep w in the graph
+        return x_NH.new_zeros(0, w_EOH.shape[-2]) + 0 * (w_EOH.sum() + x_NH.sum())  # keep both in the graph
     return _BACKENDS[resolve_backend(backend, x_NH, w_EOH)](x_NH, w_EOH, rows_per_expert)

@@ -22,8 +22,8 @@ class RouterLosses:
 
 
 def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
-    """Slots per expert: `ceil(T * k / E * capacity_factor)`."""
-    return math.ceil(num_tokens * top_k / num_experts * capacity_factor)
+    """Slots per expert: `ceil(T * k * capacity_factor / E)` (robust to decimal factors like 1.1)."""
+    return math.ceil(num_tokens * top_k * capacity_factor / num_experts - 1e-9)
 
 
 def drop_over_capacity(topk_idx_TK, topk_weights_TK, num_experts: int, cap: int, policy: str):
