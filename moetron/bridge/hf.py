@@ -84,7 +84,10 @@ def from_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, mtp: st
             if scale_key not in available:
                 raise CheckpointError(f"{reader.file_of[key]}: FP8 key {key!r} has no {scale_key!r}")
             consumed.add(scale_key)
-            tensor = dequantize_blockwise(tensor, reader.get(scale_key), block)
+            try:
+                tensor = dequantize_blockwise(tensor, reader.get(scale_key), block)
+            except ValueError as exc:
+                raise CheckpointError(f"{reader.file_of[scale_key]}: {scale_key!r}: {exc}") from None
         return tensor
 
     new_state = {}
@@ -92,13 +95,21 @@ def from_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, mtp: st
         absent = [s for s in m.sources if s not in available]
         if absent:
             missing += absent
+            consumed.update(s for s in m.sources if s in available)
+            continue
+        expected = [tuple(t.shape) for t in m.to_hf(torch.empty(state[m.target].shape, device="meta"))]
+        wrong = [f"{s}: checkpoint {tuple(reader.shape(s))}, model {e}" for s, e in zip(m.sources, expected)
+                 if tuple(reader.shape(s)) != e]
+        if wrong:
+            misshaped += wrong
+            consumed.update(m.sources)
             continue
         tensor = m.to_moetron([load(s) for s in m.sources])
         if tuple(tensor.shape) != tuple(state[m.target].shape):
             misshaped.append(f"{m.target} (from {m.sources[0]}...): checkpoint {tuple(tensor.shape)}, "
                              f"model {tuple(state[m.target].shape)}")
             continue
-        new_state[m.target] = tensor.to(state[m.target].dtype if m.target.endswith("expert_bias") else dtype)
+        new_state[m.target] = tensor
     for hub_key, own_key in mtp_shared_copies(cfg):
         if hub_key in available and own_key in new_state:
             if not torch.equal(load(hub_key).to(dtype), new_state[own_key]):
@@ -111,7 +122,7 @@ def from_hf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, mtp: st
                 lines.append(f"  {len(keys)} {title} key(s): " + ", ".join(keys[:20]) + (" ..." if len(keys) > 20 else ""))
         raise CheckpointError("\n".join(lines))
     model.load_state_dict(new_state, strict=True)
-    return model.to(dtype)
+    return model.to(dtype)  # the router keeps its expert bias in fp32
 
 
 def to_hf(model: MoETransformer, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
@@ -144,7 +155,7 @@ def to_hf(model: MoETransformer, path: str | os.PathLike, *, dtype: torch.dtype 
                 else:
                     writer.add(hub_key, part)
         for hub_key, own_key in mtp_shared_copies(cfg):
-            writer.add(hub_key, state[own_key] if dtype is None else state[own_key].to(dtype))
+            writer.add(hub_key, (state[own_key] if dtype is None else state[own_key].to(dtype)).clone())
         writer.close()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     return Path(path)

@@ -30,8 +30,20 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     return theta, {"type": "yarn", **{k: params[k] for k in keep if params.get(k) is not None}}
 
 
+class _RequiredFields(dict):
+    """A config dict whose missing required field is an error naming the file and the field."""
+
+    def __init__(self, data: dict, source: str):
+        super().__init__(data)
+        self.source = source
+
+    def __missing__(self, key):
+        raise ValueError(f"{self.source}: required field {key!r} is missing")
+
+
 def config_from_hf(hf: dict, source: str = "config.json", **overrides) -> ModelConfig:
     """Build a ModelConfig from a transformers config dict; unknown model types are an error."""
+    hf = _RequiredFields(hf, source)
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED:
         raise ValueError(f"{source}: model_type={model_type!r} is not supported; moetron reads {SUPPORTED}")

@@ -62,6 +62,14 @@ class TopKRouter(nn.Module):
         self.balance_group = None  # the data-parallel group, to balance over the global batch
         self._global_running = None
 
+    def _apply(self, fn, recurse=True):
+        # Keep the expert bias in fp32 through model.to(bf16): updates of 1e-3 vanish in bf16.
+        bias = self.expert_bias
+        super()._apply(fn, recurse)
+        if bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = bias.to(device=self.expert_bias.device)
+        return self
+
     def _group_limit(self, choice_TE: torch.Tensor) -> torch.Tensor:
         """Keep only each token's best `topk_groups` groups (scored by their top-2 sum)."""
         cfg = self.config
