@@ -14,6 +14,9 @@ def _cmd_train(args) -> int:
 
     recipe = apply_overrides(get_recipe(args.recipe), args.set or [])
     history = train(recipe)
+    if not history:
+        print("done: nothing to do, the checkpoint already covers train.steps")
+        return 0
     first, last = history[0], history[-1]
     print(f"done: loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(history)} steps")
     return 0

@@ -92,3 +92,35 @@ def test_cli_train_recipes_env(capsys):
     assert "TrainConfig.steps=0" in capsys.readouterr().err
     assert main(["train", "--recipe", "qwen3-moe-30b-a3b"]) == 2
     assert "one process" in capsys.readouterr().err
+
+
+def test_resume_continues_bit_identically(tmp_path):
+    base = SMALL + ["train.steps=6", "train.warmup_steps=2", f"train.save_dir={tmp_path / 'ckpt'}"]
+    straight = train(apply_overrides(get_recipe("deepseek-v3-tiny"), base + ["train.save_every=3"]),
+                     log=lambda s: None)
+    # Interrupted run: stop after 3 steps, then resume to 6 from the step-3 checkpoint.
+    other = tmp_path / "other"
+    first = apply_overrides(get_recipe("deepseek-v3-tiny"), base[:-1] + ["train.steps=3", f"train.save_dir={other}"])
+    train(first, log=lambda s: None)
+    resumed = train(apply_overrides(get_recipe("deepseek-v3-tiny"),
+                                    base[:-1] + [f"train.save_dir={other}", "train.resume=true"]), log=lambda s: None)
+    assert [h["step"] for h in resumed] == [3, 4, 5]
+    for a, b in zip(straight[3:], resumed):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] and a["lr"] == b["lr"]
+    from safetensors.torch import load_file
+    final_a = load_file(str(tmp_path / "ckpt" / "step-00000006" / "model.safetensors"))
+    final_b = load_file(str(other / "step-00000006" / "model.safetensors"))
+    assert final_a.keys() == final_b.keys()
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+    assert not any(p.name.startswith(".") and "partial" in p.name for p in other.iterdir())
+
+
+def test_incomplete_checkpoint_is_refused(tmp_path):
+    from moetron.train.checkpoint import load_checkpoint
+    from moetron.train.trainer import build_optimizer
+
+    recipe = apply_overrides(get_recipe("qwen3-moe-tiny"), SMALL)
+    model = MoETransformer(recipe.model)
+    (tmp_path / "meta.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="model.safetensors is missing"):
+        load_checkpoint(tmp_path, model, build_optimizer(model, recipe))

@@ -22,6 +22,9 @@ class TrainConfig:
     metrics_file: str | None = None
     data: str = "builtin"  # "builtin": the Python standard library's sources, byte-tokenized
     peak_tflops: float | None = None  # the device's peak, for the MFU estimate
+    save_dir: str | None = None  # checkpoints go to SAVE_DIR/step-NNNNNNNN/
+    save_every: int = 0  # steps between checkpoints; 0 saves only at the end (when save_dir is set)
+    resume: bool = False  # continue from SAVE_DIR/latest when it exists
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "micro_batch_size", "grad_accum", "log_every"):
@@ -31,6 +34,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lr={self.lr} must be > 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"TrainConfig.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.save_every < 0:
+            raise ValueError(f"TrainConfig.save_every={self.save_every} must be >= 0")
+        if self.resume and not self.save_dir:
+            raise ValueError("TrainConfig.resume=true needs train.save_dir")
         if self.warmup_steps < 0:
             raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be >= 0")
         if self.data != "builtin":

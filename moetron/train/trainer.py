@@ -18,6 +18,7 @@ from moetron.model.model import MoETransformer
 from moetron.model.size import model_size, training_flops_per_token
 from moetron.moe import balancing
 from moetron.recipes.recipe import Recipe
+from moetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from moetron.train.data import BYTE_VOCAB, TokenBatches, stdlib_corpus
 
 
@@ -53,11 +54,16 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
     flops_per_token = training_flops_per_token(recipe.model, t.seq_len)
     log(f"recipe {recipe.name}: {size.total / 1e6:.2f}M parameters ({size.active / 1e6:.2f}M active), "
         f"{t.steps} steps of {t.grad_accum}x{t.micro_batch_size}x{t.seq_len} tokens")
-    metrics_file = open(Path(t.metrics_file), "w") if t.metrics_file else None
+    start = 0
+    if t.resume and latest_checkpoint(t.save_dir) is not None:
+        folder = latest_checkpoint(t.save_dir)
+        start = load_checkpoint(folder, model, optimizer)
+        log(f"resumed from {folder} after step {start}")
+    metrics_file = open(Path(t.metrics_file), "a" if start else "w") if t.metrics_file else None
     history = []
     try:
         model.train()
-        for step in range(t.steps):
+        for step in range(start, t.steps):
             history.append(_train_step(model, optimizer, data, recipe, step, flops_per_token))
             m = history[-1]
             if metrics_file:
@@ -65,6 +71,9 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
                 metrics_file.flush()
             if step % t.log_every == 0 or step == t.steps - 1:
                 log(_format(m, t.steps))
+            done = step + 1
+            if t.save_dir and ((t.save_every and done % t.save_every == 0) or done == t.steps):
+                log(f"saved {save_checkpoint(t.save_dir, done, model, optimizer, recipe)}")
     finally:
         if metrics_file:
             metrics_file.close()
