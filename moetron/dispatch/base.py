@@ -1,10 +1,14 @@
-"""The dispatcher protocol and the single-process dispatcher.
+"""The dispatcher protocol, the single-process dispatcher, and what all dispatchers share.
 
 A dispatcher moves routed tokens to the ranks that hold their experts and back.
 `dispatch` returns expert-major rows for the local experts with their counts, plus
 a handle; `combine` takes the expert outputs and the handle and returns one
 gate-weighted row per source token. Parallel dispatchers (all-gather, all-to-all,
 flex) implement the same two calls.
+
+Under expert-tensor parallelism the experts return partial sums (each ETP rank
+holds a slice of the ffn dimension); the parallel dispatchers' `combine` adds
+them up, so the expert module itself never communicates.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from moetron.dispatch.permute import PermuteState, permute, unpermute
 from moetron.dispatch.routing import Routing
+from moetron.parallel.state import Group
 
 
 class TokenDispatcher(Protocol):
@@ -23,6 +29,31 @@ class TokenDispatcher(Protocol):
 
     def combine(self, y_NH: torch.Tensor, handle: Any) -> torch.Tensor:
         """Return the gate-weighted sum of expert outputs per source token `[T,H]`."""
+
+
+def rank_and_size(group: Group | dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's index in `group` and the group's size; `None` is a group of one."""
+    if group is None:
+        return 0, 1
+    if isinstance(group, Group):
+        return group.rank, group.size
+    if isinstance(group, dist.ProcessGroup):
+        return dist.get_rank(group), dist.get_world_size(group)
+    raise TypeError(f"expected a moetron Group, a ProcessGroup or None, got {type(group).__name__}")
+
+
+def local_expert_range(num_experts: int, ep_group: Group | dist.ProcessGroup | None) -> range:
+    """Global ids of the experts this EP rank holds: a contiguous block of `num_experts / ep`."""
+    ep_rank, ep = rank_and_size(ep_group)
+    if num_experts % ep:
+        raise ValueError(f"ep={ep} does not divide num_experts={num_experts}: choose an expert-parallel "
+                         f"size that divides the number of experts")
+    per_rank = num_experts // ep
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
 
 
 class LocalDispatcher:

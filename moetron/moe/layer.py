@@ -10,43 +10,110 @@ can run them one at a time; `forward` simply chains them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from moetron.dispatch.allgather import AllGatherDispatcher
+from moetron.dispatch.alltoall import AllToAllDispatcher
 from moetron.dispatch.base import LocalDispatcher, TokenDispatcher
 from moetron.dispatch.routing import Routing
 from moetron.model.mlp import MLP
 from moetron.moe.config import MoEConfig
 from moetron.moe.experts import GroupedExperts
 from moetron.moe.router import TopKRouter
+from moetron.parallel.state import Group, ParallelState
+
+DISPATCHERS = ("local", "allgather", "alltoall")
 
 
 class MoELayer(nn.Module):
-    def __init__(self, config: MoEConfig, dispatcher: TokenDispatcher | None = None):
+    """One MoE block; expert parallel when given a `ParallelState`.
+
+        MoELayer(config)                                   # one process, all experts
+        MoELayer(config, parallel_state=ps)                # EP/ETP from ps, all-to-all dispatch
+        MoELayer(config, parallel_state=ps, dispatcher="allgather")
+        MoELayer(config, parallel_state=ps, dispatcher=my_dispatcher)   # e.g. a flex dispatcher
+
+    With `parallel_state`, the experts are sharded over `ps.ep` (whole experts) and `ps.etp`
+    (the ffn dim) and `dispatcher` names how tokens reach them: "alltoall" (default when
+    the expert grid is parallel) over ps.ep and ps.etp, "allgather" over ps.tp_ep, or
+    "local" (only when ep = etp = 1). A dispatcher object is used as given. Router and
+    shared experts are replicated: their gradients must be summed over the data-parallel
+    ranks by the caller, like any replicated parameter; the experts' over ps.edp.
+    `pad_multiple` pads each local expert's rows to a multiple (FP8 grouped GEMMs).
+    """
+
+    def __init__(self, config: MoEConfig, dispatcher: TokenDispatcher | str | None = None, *,
+                 parallel_state: ParallelState | None = None, pad_multiple: int = 1):
         super().__init__()
         self.config = config
+        self.parallel_state = parallel_state
+        ep_group = parallel_state.ep if parallel_state is not None else None
+        etp_group = parallel_state.etp if parallel_state is not None else None
         self.router = TopKRouter(config)
         self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.ffn_hidden_size,
-                                      config.expert_backend, config.init_std)
+                                      config.expert_backend, config.init_std,
+                                      ep_group=ep_group, etp_group=etp_group)
         self.shared_experts = (MLP(config.hidden_size, config.shared_expert_ffn_size, config.init_std)
                                if config.shared_expert_ffn_size else None)
         self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False)
                                    if config.shared_expert_gate else None)
-        self.dispatcher = dispatcher or LocalDispatcher(config.num_experts, pad_to_capacity=config.pad_to_capacity)
+        self.dispatcher = self._build_dispatcher(dispatcher, pad_multiple)
         self.register_buffer("pending_counts", torch.zeros(config.num_experts, dtype=torch.float32),
                              persistent=False)
         self.last_losses: dict[str, torch.Tensor] = {}
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
+        self.last_num_slots = 0
+
+    def _build_dispatcher(self, dispatcher, pad_multiple: int) -> TokenDispatcher:
+        if dispatcher is not None and not isinstance(dispatcher, str):
+            return dispatcher
+        cfg, ps = self.config, self.parallel_state
+        experts = self.experts
+        sharded = (experts.num_local_experts, experts.local_ffn_size) != (cfg.num_experts, cfg.ffn_hidden_size)
+        name = dispatcher or ("alltoall" if sharded else "local")
+        if name not in DISPATCHERS:
+            raise ValueError(f"dispatcher={name!r} is unknown; choose one of {DISPATCHERS} "
+                             f"or pass a dispatcher object")
+        if name == "local":
+            if sharded:
+                raise ValueError(f"dispatcher='local' needs every expert in this process, but "
+                                 f"ep={ps.ep.size} and etp={ps.etp.size}: use 'alltoall' or 'allgather'")
+            return LocalDispatcher(cfg.num_experts, pad_multiple, cfg.pad_to_capacity)
+        if ps is None:
+            raise ValueError(f"dispatcher={name!r} needs parallel_state= to know its process groups")
+        if name == "allgather":
+            return AllGatherDispatcher(ps.tp_ep, cfg.num_experts, self.experts.local_experts,
+                                       pad_multiple=pad_multiple, pad_to_capacity=cfg.pad_to_capacity)
+        return AllToAllDispatcher(ps.ep, cfg.num_experts, ps.etp, pad_multiple=pad_multiple,
+                                  pad_to_capacity=cfg.pad_to_capacity)
+
+    @property
+    def balance_groups(self) -> tuple[Group, ...]:
+        """Groups whose sum spans every rank of this pipeline stage: ETP×EP, then EDP.
+
+        Each rank's router counts only its own tokens, and the ranks of a stage hold
+        different tokens (DP, CP and sequence-parallel shards; EP and EDP fold over those
+        same ranks). The stage is ETP×EP×EDP in the expert grid, so reducing over tp_ep
+        and then edp counts every token of the global batch. Ranks holding copies of the
+        same tokens (TP without sequence parallel) scale every count by the same factor,
+        which leaves the sign-based bias update unchanged.
+        """
+        ps = self.parallel_state
+        return () if ps is None else (ps.tp_ep, ps.edp)
 
     # --- the four schedulable stages -------------------------------------------------
     def route(self, x_TH: torch.Tensor, seq_len: int | None = None) -> Routing:
         routing, losses, selected_counts = self.router(x_TH, seq_len)
         self.last_losses = losses.values
         self.last_tokens_per_expert = routing.tokens_per_expert.detach()
-        total = max(routing.num_tokens * routing.top_k, 1)
+        self.last_num_slots = routing.num_tokens * routing.top_k
+        total = max(self.last_num_slots, 1)
         self.last_dropped_fraction = 1.0 - routing.tokens_per_expert.sum().float() / total
         if self.training:
             self.pending_counts += selected_counts.float()
@@ -91,25 +158,51 @@ class MoELayer(nn.Module):
     def update_expert_bias(self, group=None) -> torch.Tensor | None:
         """Aux-loss-free balancing step, once per global batch: `bias += rate * sign(mean - count)`.
 
-        Counts are the top-k selections since the last call, summed over `group`
-        (the data-parallel group) when given. Returns the counts used.
+        Counts are the top-k selections of this rank's tokens since the last call, summed
+        over `group` (a group or a sequence of groups reduced in turn). By default: the
+        layer's `balance_groups` (every rank of the stage) when built with a
+        ParallelState, else nothing. Every rank must call it. Returns the counts used.
         """
         counts = self.pending_counts.clone()
         self.pending_counts.zero_()
         self.router.reset_global_counts()
         if self.router.expert_bias is None:
             return counts
-        if group is not None:
-            torch.distributed.all_reduce(counts, group=group)
+        _sum_over(counts, self.balance_groups if group is None else group)
         self.router.expert_bias += self.config.bias_update_rate * torch.sign(counts.mean() - counts)
         return counts
 
-    def stats(self) -> dict[str, float]:
-        """Load of the last forward: max and mean tokens per expert, and the dropped fraction."""
+    def stats(self, group=None) -> dict[str, float]:
+        """Load of the last forward: max and mean tokens per expert, and the dropped fraction.
+
+        Local to this rank unless `group` is given (e.g. `layer.balance_groups`; then
+        every rank of it must call, so do not call it from rank 0 alone).
+        """
         if self.last_tokens_per_expert is None:
             return {}
         counts = self.last_tokens_per_expert.float()
+        if group is not None:
+            both = torch.cat([counts, counts.new_tensor([self.last_num_slots])])
+            _sum_over(both, group)
+            counts, slots = both[:-1], both[-1].item()
+            dropped = 1.0 - counts.sum().item() / max(slots, 1.0)
+        else:
+            dropped = float(self.last_dropped_fraction)
         mean = counts.mean().item()
         return {"max_load": counts.max().item(), "mean_load": mean,
                 "max_over_mean": counts.max().item() / mean if mean else 0.0,
-                "dropped_fraction": float(self.last_dropped_fraction)}
+                "dropped_fraction": dropped}
+
+
+def _sum_over(t: torch.Tensor, groups) -> None:
+    """In-place sum of `t` over a group, or over each of a sequence of groups in turn."""
+    if groups is None:
+        return
+    if not isinstance(groups, Sequence):
+        groups = (groups,)
+    for group in groups:
+        if isinstance(group, Group):
+            if group.size == 1:
+                continue
+            group = group.handle
+        dist.all_reduce(t, group=group)

@@ -1,0 +1,141 @@
+"""AllToAllDispatcher: each token row travels only to the EP rank that holds its expert.
+
+    dispatch: permute (expert-major over all E experts)
+              -> exchange counts (all-to-all over EP, all-gather over ETP; one host sync)
+              -> all-to-all of rows over EP (uneven splits)
+              -> all-gather over ETP (uneven)                       [ETP only]
+              -> regroup (ETP rank, source rank, local expert) -> (local expert, ...)
+    combine:  the same steps mirrored; the ETP step becomes a reduce-scatter that also sums
+              the experts' partial outputs; the final unpermute applies the gate weights.
+
+The host sync: all-to-all split sizes must be host integers, so after the count exchange
+`dispatch` reads the counts once (`.tolist()`; a device-to-host copy on GPU). With
+`pad_to_capacity` every (rank, expert) block has exactly `capacity` rows, the splits are
+known in advance and that exchange and sync are skipped.
+
+Every step is an autograd op (comm.all_to_all, permute/unpermute), so backward is the
+mirror image without extra code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moetron.dispatch.base import local_expert_range, rank_and_size, round_up
+from moetron.dispatch.permute import PermuteState, permute, unpermute
+from moetron.dispatch.routing import Routing
+from moetron.parallel import comm
+
+
+@dataclass
+class AllToAllHandle:
+    """What combine needs to send the expert outputs back the way the rows came."""
+
+    token_state: PermuteState  # tokens -> expert-major rows (all E experts), on the source rank
+    topk_weights: torch.Tensor  # [T,k] gate weights of the source tokens
+    send_splits: list[int]  # rows sent to each EP rank
+    recv_splits: list[int]  # rows received from each EP rank
+    etp_rows: list[int] | None  # rows each ETP rank received over EP (None without ETP)
+    regroup_state: PermuteState | None  # received order -> local-expert-major (None: fixed shape)
+    capacity_blocks: int = 0  # pad_to_capacity: number of (ETP rank, EP rank) blocks per expert
+
+
+def gather_uneven(x: torch.Tensor, group, rows_per_rank: list[int]) -> torch.Tensor:
+    """All-gather row blocks of different sizes (an all-to-all that sends x to everyone)."""
+    rank, size = rank_and_size(group)
+    send = x.repeat(size, *([1] * (x.dim() - 1)))
+    return comm.all_to_all(send, group, rows_per_rank, [rows_per_rank[rank]] * size)
+
+
+def reduce_scatter_uneven(x: torch.Tensor, group, rows_per_rank: list[int]) -> torch.Tensor:
+    """Sum the group's copies of `x` and keep this rank's block of `rows_per_rank[rank]` rows."""
+    rank, size = rank_and_size(group)
+    mine = rows_per_rank[rank]
+    received = comm.all_to_all(x, group, [mine] * size, rows_per_rank)
+    return received.view(size, mine, *x.shape[1:]).sum(0)
+
+
+class AllToAllDispatcher:
+    """Dispatch over the EP group with uneven all-to-all; optional ETP over `etp_group`.
+
+    Token counts may differ between ranks. With `pad_to_capacity`, every rank must route
+    the same number of tokens (so that all ranks compute the same capacity).
+    """
+
+    def __init__(self, ep_group, num_experts: int, etp_group=None, *, pad_multiple: int = 1,
+                 pad_to_capacity: bool = False):
+        self.local_experts = local_expert_range(num_experts, ep_group)
+        self.ep_group, self.etp_group = ep_group, etp_group
+        _, self.ep = rank_and_size(ep_group)
+        self.etp_rank, self.etp = rank_and_size(etp_group)
+        self.num_experts = num_experts
+        self.num_local_experts = len(self.local_experts)
+        self.pad_multiple = pad_multiple
+        self.pad_to_capacity = pad_to_capacity
+
+    # --- dispatch ------------------------------------------------------------------------
+    def dispatch(self, x_TH: torch.Tensor, routing: Routing):
+        if self.pad_to_capacity and routing.capacity is not None:
+            return self._dispatch_padded(x_TH, routing)
+        x_NH, token_state = permute(x_TH, routing.topk_idx, self.num_experts)
+        counts = self._exchange_counts(token_state.rows_per_expert)  # the one host sync
+        El = self.num_local_experts
+        mine, received = counts[:self.num_experts], counts[self.num_experts:]
+        send_splits = [sum(mine[r * El:(r + 1) * El]) for r in range(self.ep)]
+        per_etp = len(received) // self.etp  # counts of one ETP rank: ep * El
+        etp_rows = [sum(received[t * per_etp:(t + 1) * per_etp]) for t in range(self.etp)]
+        mine_start = self.etp_rank * per_etp  # this rank's own EP receipts within `received`
+        recv_splits = [sum(received[mine_start + s * El:mine_start + (s + 1) * El]) for s in range(self.ep)]
+
+        x_NH = comm.all_to_all(x_NH, self.ep_group, recv_splits, send_splits)
+        if self.etp > 1:
+            x_NH = gather_uneven(x_NH, self.etp_group, etp_rows)
+        # rows are ordered (ETP rank, EP source rank, local expert); sort them expert-major
+        expert_of_row = torch.arange(El, device=x_NH.device).repeat(self.etp * self.ep)
+        expert_of_row = expert_of_row.repeat_interleave(
+            torch.tensor(received, device=x_NH.device), output_size=x_NH.shape[0])
+        x_NH, regroup_state = permute(x_NH, expert_of_row.unsqueeze(1), El, pad_multiple=self.pad_multiple)
+        handle = AllToAllHandle(token_state, routing.topk_weights, send_splits, recv_splits,
+                                etp_rows if self.etp > 1 else None, regroup_state)
+        return x_NH, regroup_state.rows_per_expert, handle
+
+    def _exchange_counts(self, rows_per_expert: torch.Tensor) -> list[int]:
+        """This rank's rows per global expert, then the rows each (ETP rank, EP rank) sends to
+        each local expert, as one host list: [E] + [etp, ep, E_local] flattened."""
+        El = self.num_local_experts
+        received = comm.all_to_all(rows_per_expert.view(self.ep, El), self.ep_group)
+        if self.etp > 1:
+            received = comm.all_gather(received.unsqueeze(0), self.etp_group).reshape(-1)
+        return torch.cat([rows_per_expert, received.reshape(-1)]).tolist()
+
+    def _dispatch_padded(self, x_TH: torch.Tensor, routing: Routing):
+        """Every expert gets exactly `slots` rows from every rank: fixed shapes, no host sync."""
+        slots = round_up(routing.capacity, self.pad_multiple)
+        x_NH, token_state = permute(x_TH, routing.topk_idx, self.num_experts, pad_to=slots)
+        El, blocks = self.num_local_experts, self.ep * self.etp
+        splits = [El * slots] * self.ep
+        x_NH = comm.all_to_all(x_NH, self.ep_group, splits, splits)
+        if self.etp > 1:
+            x_NH = comm.all_gather(x_NH, self.etp_group)
+        # (block, local expert, slot) -> (local expert, block, slot)
+        H = x_NH.shape[-1]
+        x_NH = x_NH.view(blocks, El, slots, H).transpose(0, 1).reshape(-1, H)
+        rows = torch.full((El,), blocks * slots, dtype=torch.long, device=x_NH.device)
+        handle = AllToAllHandle(token_state, routing.topk_weights, splits, splits,
+                                [El * slots * self.ep] * self.etp if self.etp > 1 else None,
+                                None, capacity_blocks=blocks)
+        return x_NH, rows, handle
+
+    # --- combine -------------------------------------------------------------------------
+    def combine(self, y_NH: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+        if handle.regroup_state is not None:
+            y_NH = unpermute(y_NH, handle.regroup_state)  # back to the received order
+        else:
+            H, blocks = y_NH.shape[-1], handle.capacity_blocks
+            y_NH = y_NH.view(self.num_local_experts, blocks, -1, H).transpose(0, 1).reshape(-1, H)
+        if handle.etp_rows is not None:
+            y_NH = reduce_scatter_uneven(y_NH, self.etp_group, handle.etp_rows)  # sums ETP partials
+        y_NH = comm.all_to_all(y_NH, self.ep_group, handle.send_splits, handle.recv_splits)
+        return unpermute(y_NH, handle.token_state, handle.topk_weights)

@@ -1,0 +1,157 @@
+"""Low-latency dispatch and combine on torch collectives: fixed shapes, no host synchronisation.
+
+The shape DeepEP's low-latency kernels have (REFERENCE §2), built from one equal-split
+all-to-all per tensor, so it runs on gloo and NCCL and can be captured in a CUDA graph:
+
+    dispatch: every rank holds at most M = num_max_dispatch_tokens_per_rank tokens. Token t
+              bound for rank r is written to slot (r, t) of a send buffer [R, M, H] (slots never
+              collide, so no counting is needed before sending), beside a mask [R, L, M] of the
+              local experts of r it wants. One all-to-all moves block r to rank r. The receiver
+              packs each local expert's rows to the front (source rank, then token order) of
+              recv_x [L, R*M, H] (remaining rows are zero) and counts them in recv_count [L],
+              which stays on the device.
+    combine:  the inverse move of the expert outputs [L, R*M, H], then on the source rank a
+              weighted sum over each token's top-k experts (accumulated in fp32).
+
+With `use_fp8` the rows travel as E4M3 bytes with one fp32 scale per 1×128 block (as
+`fp8_dispatch` makes them) and recv_x is the pair `(q [L, R*M, H] float8_e4m3fn, scales
+[L, R*M, ceil(H/128)] fp32)`; `fp8_dispatch.dequantize_rows` turns it back into activations.
+(DeepEP stores those scales column-major for TMA; here they are plain row-major.)
+
+`async_finish` returns an Event and `return_recv_hook` a hook; either way the outputs become
+valid only after `event.wait()` / `hook()`, which also does the receive-side packing. No
+autograd: this is the inference / CUDA-graph path (as in DeepEP); use `dispatch` for training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moetron.dispatch.flex_backends import Event
+from moetron.dispatch.fp8_dispatch import as_wire, dequantize_rows, quantize_rows
+
+__all__ = ["LowLatencyHandle", "low_latency_dispatch", "low_latency_combine", "dequantize_rows"]
+
+
+@dataclass
+class LowLatencyHandle:
+    src_slot: torch.Tensor  # [L, R*M] int64: source (rank * M + token) of each packed row
+    recv_count: torch.Tensor  # [L] int32 valid rows per local expert (device)
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    num_tokens: int  # T on this (source) rank
+
+
+def _check_no_grad(*tensors) -> None:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError("the low-latency mode has no backward: call it under torch.no_grad() "
+                           "(inference / CUDA graphs) or use FlexDispatcher.dispatch/combine to train")
+
+
+def _finish(works, finisher, async_finish: bool, return_recv_hook: bool):
+    event = Event(works, [finisher])
+    if not (async_finish or return_recv_hook):
+        event.wait()
+    return event, (event.wait if return_recv_hook else None)
+
+
+def low_latency_dispatch(backend, x: torch.Tensor, topk_idx: torch.Tensor,
+                         num_max_dispatch_tokens_per_rank: int, num_experts: int, *,
+                         use_fp8: bool = False, round_scale: bool = False,
+                         async_finish: bool = False, return_recv_hook: bool = False):
+    """Returns `(recv_x, recv_count, handle, event, hook)` like DeepEP's `low_latency_dispatch`."""
+    _check_no_grad(x)
+    R, M, E = backend.size, num_max_dispatch_tokens_per_rank, num_experts
+    L = E // R
+    T, H = x.shape
+    if T > M:
+        raise ValueError(f"low_latency_dispatch: {T} tokens exceed num_max_dispatch_tokens_per_rank={M}")
+    if topk_idx.shape[0] != T:
+        raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows for {T} tokens")
+    device = x.device
+    token = torch.arange(T, device=device)
+
+    # Which (expert, slot) pairs are wanted: slot = token index; dropped choices go to a dummy row E.
+    dest = torch.where(topk_idx >= 0, topk_idx, E)
+    wanted = torch.zeros((E + 1) * M, dtype=torch.uint8, device=device)
+    wanted.index_fill_(0, (dest * M + token.unsqueeze(1)).reshape(-1), 1)
+    wanted = wanted[: E * M].view(E * M, 1)  # [R, L, M] rank-major: block r goes to rank r
+
+    # One row per (destination rank, token), whatever number of its experts the token chose there.
+    rows = list(quantize_rows(x, power_of_two=round_scale)) if use_fp8 else [x]
+    sends = []
+    for r in rows:
+        send = r.new_zeros((R, M, *r.shape[1:]))
+        send[:, :T] = r.unsqueeze(0)
+        sends.append(as_wire(send).reshape(R * M, -1))
+    works, received = [], []
+    for send in sends + [wanted]:
+        recv, work = backend.exchange(send, None, None, async_finish or return_recv_hook)
+        received.append(recv)  # rows of source rank s first
+        works.append(work)
+
+    # Outputs are allocated now and filled on arrival (fixed shapes, on the device).
+    outs = [r.new_empty((L, R * M, *r.shape[1:])) for r in rows]
+    recv_count = torch.empty(L, dtype=torch.int32, device=device)
+    src_slot = torch.empty(L, R * M, dtype=torch.int64, device=device)
+
+    def pack():
+        v = received[-1].view(R, L, M).transpose(0, 1).reshape(L, R * M)  # [L, (source, token)]
+        order = torch.argsort((v == 0).to(torch.int32), dim=1, stable=True)  # wanted rows first
+        count = v.sum(1, dtype=torch.int32)
+        keep = torch.arange(R * M, device=device).unsqueeze(0) < count.unsqueeze(1)
+        for out, recv in zip(outs, received):
+            gathered = recv.index_select(0, order.reshape(-1)).view(L, R * M, -1)
+            gathered = gathered.masked_fill(~keep.unsqueeze(-1), 0)
+            out.copy_(gathered.view(out.dtype).view(out.shape))  # uint8 wire bytes -> float8
+        recv_count.copy_(count)
+        src_slot.copy_(order)
+
+    event, hook = _finish(works, pack, async_finish, return_recv_hook)
+    handle = LowLatencyHandle(src_slot, recv_count, M, H, E, T)
+    recv_x = tuple(outs) if use_fp8 else outs[0]
+    return recv_x, recv_count, handle, event, hook
+
+
+def low_latency_combine(backend, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                        handle: LowLatencyHandle, *, async_finish: bool = False,
+                        return_recv_hook: bool = False, out: torch.Tensor | None = None):
+    """Weighted combine of expert outputs `x [L, R*M, H]`; returns `(combined_x [T,H], event, hook)`.
+
+    `topk_idx`/`topk_weights` are the source tokens' own (as passed to the dispatch);
+    combined_x[t] = sum_k topk_weights[t,k] * output of expert topk_idx[t,k] for token t.
+    """
+    _check_no_grad(x, topk_weights)
+    R, M, E, H, T = backend.size, handle.num_max_dispatch_tokens_per_rank, handle.num_experts, \
+        handle.hidden, handle.num_tokens
+    L = E // R
+    if x.shape != (L, R * M, H):
+        raise ValueError(f"low_latency_combine expects x of shape {(L, R * M, H)}, got {tuple(x.shape)}")
+    if topk_idx.shape[0] != T or topk_weights.shape != topk_idx.shape:
+        raise ValueError(f"topk_idx {tuple(topk_idx.shape)} / topk_weights {tuple(topk_weights.shape)} "
+                         f"do not match the {T} tokens of the dispatch")
+    # Packed row (j, p) came from slot (source s, token t) = src_slot[j, p]; it goes back to row
+    # (s, j, t) of the send buffer [R, L, M, H]. src_slot is a permutation per expert, so every
+    # row is written; rows past recv_count land in slots the source never reads.
+    src = torch.div(handle.src_slot, M, rounding_mode="floor")
+    j = torch.arange(L, device=x.device).unsqueeze(1)
+    dest = (src * L + j) * M + handle.src_slot % M
+    send = torch.empty_like(x).view(E * M, H).index_copy_(0, dest.reshape(-1), x.reshape(E * M, H))
+    recv, work = backend.exchange(send, None, None, async_finish or return_recv_hook)
+    combined = out if out is not None else x.new_empty((T, H))
+
+    def weighted_sum():
+        per_expert = recv.view(E * M, H)  # slot (e, t): output of expert e for my token t
+        token = torch.arange(T, device=x.device).unsqueeze(1)
+        slots = (topk_idx.clamp_min(0) * M + token).reshape(-1)
+        y = per_expert.index_select(0, slots).view(T, topk_idx.shape[1], H).float()
+        chosen = (topk_idx >= 0).unsqueeze(-1)
+        y = torch.where(chosen, y * topk_weights.float().unsqueeze(-1), 0.0)  # never read unset slots
+        combined.copy_(y.sum(1))
+
+    event, hook = _finish([work], weighted_sum, async_finish, return_recv_hook)
+    return combined, event, hook
+
