@@ -35,6 +35,20 @@ def _probe(name: str, module: str | None, needs_cuda: bool, what: str) -> Backen
     return BackendStatus(name, True, what)
 
 
+def _nvshmem_status() -> BackendStatus:
+    """The flex dispatcher's nvshmem backend uses torch's symmetric-memory all-to-all-v."""
+    what = "NVSHMEM all-to-all through torch symmetric memory"
+    if _cuda_reason():
+        return BackendStatus("nvshmem", False, f"{_cuda_reason()} ({what} runs on GPU only)")
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        ok = bool(symm_mem.is_nvshmem_available())
+    except (ImportError, AttributeError, RuntimeError) as exc:
+        return BackendStatus("nvshmem", False, f"this torch build has no NVSHMEM support ({exc})")
+    return BackendStatus("nvshmem", ok, what if ok else "this torch build has no NVSHMEM support")
+
+
 def backend_status() -> list[BackendStatus]:
     """Every optional backend moetron knows, with availability and a reason."""
     grouped_mm = hasattr(torch, "_grouped_mm")
@@ -46,7 +60,7 @@ def backend_status() -> list[BackendStatus]:
         _probe("flash_attn", "flash_attn", True, "flash-attn attention core"),
         _probe("transformer_engine", "transformer_engine", True, "Transformer Engine fused attention"),
         _probe("deep_ep", "deep_ep", True, "DeepEP dispatch/combine"),
-        _probe("nvshmem", "nvshmem", True, "nvshmem4py all-to-all"),
+        _nvshmem_status(),
         _probe("triton", "triton", False, "Triton kernels (TRITON_INTERPRET=1 on CPU)"),
         BackendStatus("gloo", torch.distributed.is_available() and torch.distributed.is_gloo_available(),
                       "CPU collectives"),

@@ -36,7 +36,7 @@ CASES = {
     "skewed_bias": (dict(score_func="sigmoid", expert_bias=True, norm_topk_prob=True, scaling_factor=2.5), 4),
 }
 LAYOUTS = {"ep2": dict(ep=2), "ep4": dict(ep=4), "ep2_etp2": dict(ep=2, etp=2)}
-DISPATCHERS = ("alltoall", "allgather")
+DISPATCHERS = ("alltoall", "allgather", "flex")
 
 
 def assert_close(got, want, rtol=1e-5, msg=""):
@@ -206,8 +206,8 @@ def test_local_dispatcher_refuses_sharded_experts():
     cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=2)
     with pytest.raises(ValueError, match=r"dispatcher='local' needs every expert in this process, but ep=2"):
         MoELayer(cfg, "local", parallel_state=ps)
-    with pytest.raises(ValueError, match=r"dispatcher='flex' is unknown"):
-        MoELayer(cfg, "flex", parallel_state=ps)
+    with pytest.raises(ValueError, match=r"dispatcher='magic' is unknown"):
+        MoELayer(cfg, "magic", parallel_state=ps)
     layer = MoELayer(cfg, parallel_state=ps)
     assert type(layer.dispatcher).__name__ == "AllToAllDispatcher"
     assert layer.experts.local_experts == range(4, 8) and layer.experts.gate_up_proj.shape == (4, 2 * F, H)

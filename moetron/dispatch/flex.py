@@ -307,6 +307,7 @@ class PendingDispatch:
     recv_topk_weights: torch.Tensor
     handle: FlexHandle
     event: Event
+    pad_to: int | None = None
 
 
 class FlexTokenDispatcher:
@@ -323,8 +324,8 @@ class FlexTokenDispatcher:
     """
 
     def __init__(self, group, num_experts: int, *, etp: int = 1, backend: str = "torch",
-                 pad_multiple: int = 1, fp8: bool = False, fp8_power_of_two: bool = False,
-                 **backend_options):
+                 pad_multiple: int = 1, pad_to_capacity: bool = False, fp8: bool = False,
+                 fp8_power_of_two: bool = False, **backend_options):
         from moetron.dispatch.flex_backends import resolve_group
 
         _, size, rank = resolve_group(group)
@@ -335,7 +336,7 @@ class FlexTokenDispatcher:
             raise ValueError(f"ep={ep} (group {size} / etp {etp}) does not divide num_experts={num_experts}")
         self.num_experts, self.etp, self.ep = num_experts, etp, ep
         self.num_local_experts = num_experts // ep
-        self.pad_multiple = pad_multiple
+        self.pad_multiple, self.pad_to_capacity, self.group_size = pad_multiple, pad_to_capacity, size
         # One flex "expert" per (expert, ETP rank): group rank g owns ids g*L ... g*L+L-1.
         self.flex = FlexDispatcher(group, num_experts * etp, backend, fp8=fp8,
                                    fp8_power_of_two=fp8_power_of_two, **backend_options)
@@ -358,12 +359,14 @@ class FlexTokenDispatcher:
         per_rank, per_expert, in_rank, _ = self.flex.get_dispatch_layout(topk_idx)
         recv_x, recv_idx, recv_w, _, handle, event = self.flex.dispatch(
             x_TH, topk_idx, topk_weights, per_rank, in_rank, per_expert, async_finish=True)
-        return PendingDispatch(recv_x, recv_idx, recv_w, handle, event)
+        # Each source rank sends an expert at most `capacity` rows: pad every local expert to that.
+        pad_to = self.group_size * routing.capacity if self.pad_to_capacity and routing.capacity else None
+        return PendingDispatch(recv_x, recv_idx, recv_w, handle, event, pad_to)
 
     def dispatch_finish(self, pending: PendingDispatch) -> tuple[torch.Tensor, torch.Tensor, FlexTokenHandle]:
         pending.event.wait()
         x_NH, state = permute(pending.recv_x, pending.recv_topk_idx, self.num_local_experts,
-                              pad_multiple=self.pad_multiple)
+                              pad_multiple=self.pad_multiple, pad_to=pending.pad_to)
         return x_NH, state.rows_per_expert, FlexTokenHandle(pending.handle, state, pending.recv_topk_weights)
 
     def dispatch(self, x_TH: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, FlexTokenHandle]:

@@ -27,7 +27,7 @@ from moetron.moe.experts import GroupedExperts
 from moetron.moe.router import TopKRouter
 from moetron.parallel.state import Group, ParallelState
 
-DISPATCHERS = ("local", "allgather", "alltoall")
+DISPATCHERS = ("local", "allgather", "alltoall", "flex")
 
 
 class MoELayer(nn.Module):
@@ -40,15 +40,17 @@ class MoELayer(nn.Module):
 
     With `parallel_state`, the experts are sharded over `ps.ep` (whole experts) and `ps.etp`
     (the ffn dim) and `dispatcher` names how tokens reach them: "alltoall" (default when
-    the expert grid is parallel) over ps.ep and ps.etp, "allgather" over ps.tp_ep, or
-    "local" (only when ep = etp = 1). A dispatcher object is used as given. Router and
+    the expert grid is parallel) over ps.ep and ps.etp, "allgather" over ps.tp_ep, "flex"
+    (DeepEP-style, over ps.tp_ep, with `flex_backend` torch | deepep | nvshmem; shared
+    experts then run while the dispatch is in flight), or "local" (only when ep = etp = 1). A dispatcher object is used as given. Router and
     shared experts are replicated: their gradients must be summed over the data-parallel
     ranks by the caller, like any replicated parameter; the experts' over ps.edp.
     `pad_multiple` pads each local expert's rows to a multiple (FP8 grouped GEMMs).
     """
 
     def __init__(self, config: MoEConfig, dispatcher: TokenDispatcher | str | None = None, *,
-                 parallel_state: ParallelState | None = None, pad_multiple: int = 1):
+                 parallel_state: ParallelState | None = None, pad_multiple: int = 1,
+                 flex_backend: str = "torch"):
         super().__init__()
         self.config = config
         self.parallel_state = parallel_state
@@ -62,7 +64,7 @@ class MoELayer(nn.Module):
                                if config.shared_expert_ffn_size else None)
         self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False)
                                    if config.shared_expert_gate else None)
-        self.dispatcher = self._build_dispatcher(dispatcher, pad_multiple)
+        self.dispatcher = self._build_dispatcher(dispatcher, pad_multiple, flex_backend)
         self.register_buffer("pending_counts", torch.zeros(config.num_experts, dtype=torch.float32),
                              persistent=False)
         self.last_losses: dict[str, torch.Tensor] = {}
@@ -70,7 +72,7 @@ class MoELayer(nn.Module):
         self.last_dropped_fraction: torch.Tensor | None = None
         self.last_num_slots = 0
 
-    def _build_dispatcher(self, dispatcher, pad_multiple: int) -> TokenDispatcher:
+    def _build_dispatcher(self, dispatcher, pad_multiple: int, flex_backend: str) -> TokenDispatcher:
         if dispatcher is not None and not isinstance(dispatcher, str):
             return dispatcher
         cfg, ps = self.config, self.parallel_state
@@ -87,6 +89,11 @@ class MoELayer(nn.Module):
             return LocalDispatcher(cfg.num_experts, pad_multiple, cfg.pad_to_capacity)
         if ps is None:
             raise ValueError(f"dispatcher={name!r} needs parallel_state= to know its process groups")
+        if name == "flex":
+            from moetron.dispatch.flex import FlexTokenDispatcher
+
+            return FlexTokenDispatcher(ps.tp_ep, cfg.num_experts, etp=ps.etp.size, backend=flex_backend,
+                                       pad_multiple=pad_multiple, pad_to_capacity=cfg.pad_to_capacity)
         if name == "allgather":
             return AllGatherDispatcher(ps.tp_ep, cfg.num_experts, self.experts.local_experts,
                                        pad_multiple=pad_multiple, pad_to_capacity=cfg.pad_to_capacity)
@@ -142,10 +149,17 @@ class MoELayer(nn.Module):
         x_TH = x.reshape(-1, shape[-1])
         seq_len = shape[-2] if x.dim() >= 3 else None
         routing = self.route(x_TH, seq_len)
-        x_NH, rows_per_expert, handle = self.dispatch(x_TH, routing)
+        shared_TH = None
+        if self.shared_experts is not None and hasattr(self.dispatcher, "dispatch_start"):
+            # Overlap: issue the asynchronous dispatch, run the shared expert, then wait.
+            pending = self.dispatcher.dispatch_start(x_TH, routing)
+            shared_TH = self.shared(x_TH)
+            x_NH, rows_per_expert, handle = self.dispatcher.dispatch_finish(pending)
+        else:
+            x_NH, rows_per_expert, handle = self.dispatch(x_TH, routing)
         out_TH = self.combine(self.compute_experts(x_NH, rows_per_expert), handle)
         if self.shared_experts is not None:
-            out_TH = out_TH + self.shared(x_TH)
+            out_TH = out_TH + (self.shared(x_TH) if shared_TH is None else shared_TH)
         return out_TH.view(shape)
 
     # --- balancing and statistics -----------------------------------------------------
