@@ -4,6 +4,18 @@
 experts can run as one grouped GEMM; `unpermute` scatter-adds the expert outputs
 back to their tokens, weighted by the gate. Rows of one expert keep token order,
 which makes the result deterministic.
+
+Both take `impl` ("auto", "torch", "cpp", "triton"; default: `set_permute_impl`, which starts
+at "torch") and `deterministic`. The fused implementations and their selection live in
+`moetron.dispatch.permute_kernels`; this file holds the reference they must equal:
+
+* `deterministic=False` with impl "torch" is the original reference: plain torch ops, autograd
+  by torch, `unpermute` multiplies in the activation dtype and `index_add`s in row order.
+* The deterministic reference (`gather_rows_reference`, `reduce_slots_reference`,
+  `unpermute_backward_reference`) fixes every rounding: a token's sum over its k slots runs in
+  slot order in fp32 (fp64 for fp64) and is rounded once; the gate-weight gradient is a dot
+  product in `DOT_LANES` interleaved lanes folded pairwise. The C++ and Triton kernels follow
+  it bit for bit, so they are deterministic whatever `deterministic` says.
 """
 
 from __future__ import annotations
@@ -11,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+DOT_LANES = 256  # lanes of the gate-weight gradient's dot product (the C++ and Triton kernels use it too)
 
 
 @dataclass
@@ -22,6 +37,18 @@ class PermuteState:
     num_tokens: int
     rows_per_expert: torch.Tensor  # [E] rows each expert receives (padding included)
     padded_pos: torch.Tensor | None = None  # [N] row of each kept slot in the padded buffer
+    topk: int | None = None  # k
+    row_of_slot: torch.Tensor | None = None  # [T*k] row of each slot in the output, -1 if dropped
+    slot_of_row: torch.Tensor | None = None  # [R] slot of each output row, -1 for padding
+    impl: str = "torch"  # the implementation permute used; unpermute uses it unless told otherwise
+    deterministic: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the permuted buffer, padding included."""
+        if self.slot_of_row is not None:
+            return self.slot_of_row.numel()
+        return self.token_idx.numel() if self.padded_pos is None else int(self.rows_per_expert.sum())
 
 
 def _sort_slots(topk_idx: torch.Tensor, num_experts: int, has_drops: bool):
@@ -33,6 +60,49 @@ def _sort_slots(topk_idx: torch.Tensor, num_experts: int, has_drops: bool):
     return order
 
 
+def check_permute_args(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
+                       pad_multiple: int, pad_to: int | None) -> None:
+    if x_TH.dim() != 2:
+        raise ValueError(f"permute: x must be [tokens, hidden], got shape {tuple(x_TH.shape)}")
+    if topk_idx_TK.dim() != 2 or topk_idx_TK.shape[0] != x_TH.shape[0]:
+        raise ValueError(f"permute: topk_idx must be [tokens={x_TH.shape[0]}, k], got {tuple(topk_idx_TK.shape)}")
+    if topk_idx_TK.dtype.is_floating_point or topk_idx_TK.dtype.is_complex or topk_idx_TK.dtype == torch.bool:
+        raise ValueError(f"permute: topk_idx must be an integer tensor (int64), got {topk_idx_TK.dtype}")
+    if num_experts < 0 or pad_multiple < 1 or (pad_to is not None and pad_to < 0):
+        raise ValueError(f"permute: need num_experts >= 0, pad_multiple >= 1, pad_to >= 0 or None; got "
+                         f"num_experts={num_experts}, pad_multiple={pad_multiple}, pad_to={pad_to}")
+
+
+def routing_plan(topk_idx_TK: torch.Tensor, num_experts: int, pad_multiple: int = 1,
+                 pad_to: int | None = None) -> PermuteState:
+    """Where every slot goes (torch ops, any device). Dropless routing never syncs with the host."""
+    T, K = topk_idx_TK.shape
+    has_drops = bool((topk_idx_TK < 0).any()) if topk_idx_TK.numel() else False
+    order = _sort_slots(topk_idx_TK, num_experts, has_drops)
+    token_idx = torch.div(order, K, rounding_mode="floor")
+    counts = torch.bincount(topk_idx_TK.reshape(-1)[order], minlength=num_experts)
+    kept = torch.arange(order.numel(), device=order.device)
+    if pad_multiple == 1 and pad_to is None:
+        state = PermuteState(token_idx, order, T, counts, topk=K)
+        rows, num_rows = kept, order.numel()
+    else:
+        if pad_to is not None:
+            if bool((counts > pad_to).any()):
+                raise ValueError(f"pad_to={pad_to} is smaller than the largest expert load {int(counts.max())}")
+            padded_counts = torch.full_like(counts, pad_to)
+        else:
+            padded_counts = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+        starts = torch.cumsum(counts, 0) - counts
+        padded_starts = torch.cumsum(padded_counts, 0) - padded_counts
+        expert_of_row = topk_idx_TK.reshape(-1)[order]
+        padded_pos = padded_starts[expert_of_row] + kept - starts[expert_of_row]
+        state = PermuteState(token_idx, order, T, padded_counts, padded_pos, topk=K)
+        rows, num_rows = padded_pos, int(padded_counts.sum())
+    state.row_of_slot = torch.full((T * K,), -1, dtype=torch.int64, device=order.device).index_copy_(0, order, rows)
+    state.slot_of_row = torch.full((num_rows,), -1, dtype=torch.int64, device=order.device).index_copy_(0, rows, order)
+    return state
+
+
 def permute(
     x_TH: torch.Tensor,
     topk_idx_TK: torch.Tensor,
@@ -40,44 +110,72 @@ def permute(
     *,
     pad_multiple: int = 1,
     pad_to: int | None = None,
+    impl: str | None = None,
+    deterministic: bool | None = None,
 ) -> tuple[torch.Tensor, PermuteState]:
     """Gather rows of `x_TH` by routing. Returns `(x_NH, state)`.
 
     `pad_multiple` pads each expert's rows with zeros to a multiple (FP8 grouped
     GEMMs need 16); `pad_to` pads every expert to exactly that many rows (capacity
     padding). Dropless routing (no -1) never synchronises with the host.
+    `impl` picks the implementation (see `permute_kernels`); `deterministic` makes the
+    backward (a sum over each token's k slots) run in a fixed order.
     """
-    T, K = topk_idx_TK.shape
-    has_drops = bool((topk_idx_TK < 0).any()) if topk_idx_TK.numel() else False
-    order = _sort_slots(topk_idx_TK, num_experts, has_drops)
-    token_idx = torch.div(order, K, rounding_mode="floor")
-    counts = torch.bincount(topk_idx_TK.reshape(-1)[order], minlength=num_experts)
-    x_NH = x_TH.index_select(0, token_idx)
-    if pad_multiple == 1 and pad_to is None:
-        return x_NH, PermuteState(token_idx, order, T, counts)
+    from moetron.dispatch import permute_kernels
 
-    if pad_to is not None:
-        if bool((counts > pad_to).any()):
-            raise ValueError(f"pad_to={pad_to} is smaller than the largest expert load {int(counts.max())}")
-        padded_counts = torch.full_like(counts, pad_to)
+    check_permute_args(x_TH, topk_idx_TK, num_experts, pad_multiple, pad_to)
+    topk_idx_TK = topk_idx_TK.long()
+    impl, deterministic = permute_kernels.resolve(impl, deterministic, x_TH.device)
+    if impl == "torch":
+        state = routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to)
     else:
-        padded_counts = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
-    starts = torch.cumsum(counts, 0) - counts
-    padded_starts = torch.cumsum(padded_counts, 0) - padded_counts
-    expert_of_row = topk_idx_TK.reshape(-1)[order]
-    rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[expert_of_row]
-    padded_pos = padded_starts[expert_of_row] + rank_in_expert
-    padded = x_NH.new_zeros(int(padded_counts.sum()), x_NH.shape[-1])
-    padded = padded.index_copy(0, padded_pos, x_NH)
-    return padded, PermuteState(token_idx, order, T, padded_counts, padded_pos)
+        state = permute_kernels.kernels_for(impl).routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to)
+    state.impl, state.deterministic = impl, deterministic
+    if impl == "torch" and not deterministic:
+        return _permute_reference(x_TH, state), state
+    return permute_kernels.fused_permute(x_TH, state, impl), state
+
+
+def _permute_reference(x_TH: torch.Tensor, state: PermuteState) -> torch.Tensor:
+    x_NH = x_TH.index_select(0, state.token_idx)
+    if state.padded_pos is None:
+        return x_NH
+    padded = x_NH.new_zeros(state.num_rows, x_NH.shape[-1])
+    return padded.index_copy(0, state.padded_pos, x_NH)
 
 
 def unpermute(
     y_NH: torch.Tensor,
     state: PermuteState,
     topk_weights_TK: torch.Tensor | None = None,
+    *,
+    impl: str | None = None,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
-    """Scatter-add expert outputs back to tokens, multiplied by their gate weights."""
+    """Scatter-add expert outputs back to tokens, multiplied by their gate weights.
+
+    `impl` and `deterministic` default to what `permute` used (kept in `state`).
+    """
+    from moetron.dispatch import permute_kernels
+
+    if y_NH.dim() != 2 or y_NH.shape[0] != state.num_rows:
+        raise ValueError(f"unpermute: y must be [rows={state.num_rows}, hidden], got {tuple(y_NH.shape)}")
+    if topk_weights_TK is not None and state.topk is not None and (
+            topk_weights_TK.numel() != state.num_tokens * state.topk):
+        raise ValueError(f"unpermute: topk_weights must be [tokens={state.num_tokens}, k={state.topk}], "
+                         f"got {tuple(topk_weights_TK.shape)}")
+    impl = state.impl if impl is None else impl
+    deterministic = state.deterministic if deterministic is None else deterministic
+    impl, deterministic = permute_kernels.resolve(impl, deterministic, y_NH.device)
+    if impl == "torch" and not deterministic:
+        return _unpermute_reference(y_NH, state, topk_weights_TK)
+    if state.row_of_slot is None or state.slot_of_row is None or state.topk is None:
+        raise ValueError(f"unpermute: impl={impl!r} (deterministic={deterministic}) needs the slot maps that "
+                         "permute() and routing_plan() fill in PermuteState; this state has none")
+    return permute_kernels.fused_unpermute(y_NH, state, topk_weights_TK, impl)
+
+
+def _unpermute_reference(y_NH, state, topk_weights_TK):
     if state.padded_pos is not None:
         y_NH = y_NH.index_select(0, state.padded_pos)
     if topk_weights_TK is not None:
@@ -85,3 +183,76 @@ def unpermute(
         y_NH = y_NH * w_N.to(y_NH.dtype).unsqueeze(-1)
     out = y_NH.new_zeros(state.num_tokens, y_NH.shape[-1])
     return out.index_add(0, state.token_idx, y_NH)
+
+
+# ---- the deterministic reference: the numerics every fused kernel reproduces bit for bit ----
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation type of the fused kernels: fp64 for fp64, fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gather_rows_reference(x_TH: torch.Tensor, slot_of_row: torch.Tensor, topk: int) -> torch.Tensor:
+    """`out[r] = x[slot_of_row[r] // k]`, zeros where `slot_of_row[r] < 0` (permute forward)."""
+    R, H = slot_of_row.numel(), x_TH.shape[1]
+    if x_TH.shape[0] == 0:
+        return x_TH.new_zeros(R, H)
+    valid = slot_of_row >= 0
+    rows = x_TH.index_select(0, torch.where(valid, slot_of_row, 0) // max(topk, 1))
+    return torch.where(valid.unsqueeze(-1), rows, torch.zeros((), dtype=x_TH.dtype, device=x_TH.device))
+
+
+def reduce_slots_reference(y_RH: torch.Tensor, row_of_slot: torch.Tensor, weights_TK: torch.Tensor | None,
+                           num_tokens: int, topk: int) -> torch.Tensor:
+    """`out[t] = sum_k w[t,k] * y[row_of_slot[t,k]]`, k in order, in the accumulation type, from +0."""
+    acc_t = acc_dtype(y_RH.dtype)
+    R, H = y_RH.shape
+    y_acc = torch.cat([y_RH.to(acc_t), y_RH.new_zeros(1, H, dtype=acc_t)])  # row R: zeros for dropped slots
+    rows_TK = row_of_slot.view(num_tokens, topk)
+    acc = y_RH.new_zeros(num_tokens, H, dtype=acc_t)
+    for k in range(topk):
+        valid = rows_TK[:, k] >= 0
+        term = y_acc.index_select(0, torch.where(valid, rows_TK[:, k], R))
+        if weights_TK is not None:
+            w = torch.where(valid, weights_TK.reshape(num_tokens, topk)[:, k].to(acc_t), 0)
+            term = term * w.unsqueeze(-1)
+        acc = acc + term
+    return acc.to(y_RH.dtype)
+
+
+def unpermute_backward_reference(grad_TH: torch.Tensor, y_RH: torch.Tensor | None, slot_of_row: torch.Tensor,
+                                 weights_TK: torch.Tensor, topk: int, need_grad_y: bool, need_grad_w: bool):
+    """`(grad_y, grad_w)` of the weighted unpermute; either is None when not needed.
+
+    `grad_y[r] = g[t] * w[s]` rounded once; `grad_w[s] = dot(g[t], y[r])` accumulated in
+    `DOT_LANES` lanes (element h in lane h % DOT_LANES, chunks in order) folded pairwise.
+    """
+    acc_t = acc_dtype(grad_TH.dtype)
+    T, H = grad_TH.shape
+    R = slot_of_row.numel()
+    valid = slot_of_row >= 0
+    slot = torch.where(valid, slot_of_row, 0)
+    if T == 0:
+        g_rows = grad_TH.new_zeros(R, H, dtype=acc_t)
+    else:
+        g_rows = grad_TH.to(acc_t).index_select(0, slot // max(topk, 1))
+        g_rows = torch.where(valid.unsqueeze(-1), g_rows, 0)
+    grad_y = grad_w = None
+    if need_grad_y:
+        w_flat = weights_TK.reshape(-1).to(acc_t)
+        w_rows = w_flat.index_select(0, slot) if w_flat.numel() else g_rows.new_zeros(R)
+        grad_y = (g_rows * torch.where(valid, w_rows, 0).unsqueeze(-1)).to(grad_TH.dtype)
+    if need_grad_w:
+        prod = g_rows * y_RH.to(acc_t)
+        prod = F.pad(prod, (0, -H % DOT_LANES))
+        lanes = prod.new_zeros(R, DOT_LANES)
+        for c in range(prod.shape[1] // DOT_LANES):
+            lanes = lanes + prod[:, c * DOT_LANES:(c + 1) * DOT_LANES]
+        width = DOT_LANES
+        while width > 1:
+            width //= 2
+            lanes = lanes[:, :width] + lanes[:, width:2 * width]
+        grad_w = weights_TK.new_zeros(weights_TK.numel(), dtype=acc_t)
+        grad_w = grad_w.index_copy(0, slot_of_row[valid], lanes[valid, 0])
+        grad_w = grad_w.to(weights_TK.dtype).view(weights_TK.shape)
+    return grad_y, grad_w

@@ -1,0 +1,234 @@
+"""Fused permute / unpermute: implementation selection and the autograd functions.
+
+Three implementations of one contract (DESIGN principle 4):
+
+* ``torch``  - the reference in `moetron.dispatch.permute`, any device, always available.
+* ``cpp``    - `moetron/csrc/permute_cpu.cpp`, CPU tensors; compiled on first use and cached
+               (`moetron.kernels.cpp_build`).
+* ``triton`` - `moetron.kernels.triton_permute`, CUDA tensors; on CPU tensors only under
+               the interpreter (`TRITON_INTERPRET=1` set before moetron imports Triton).
+
+``auto`` picks triton for CUDA tensors (when Triton is installed), cpp for CPU tensors when
+the extension builds, else torch; when the C++ build is impossible it says so once in a
+one-line warning. Naming an implementation that cannot run here is an error that says why.
+
+Each fused op is one autograd function over three kernels (the kernel set of an impl):
+``gather_rows`` (permute forward, and unpermute backward without weights), ``reduce_slots``
+(unpermute forward, and permute backward: the unweighted sum over each token's k slots) and
+``unpermute_backward`` (gather times weight, plus the weights' row-wise dot product). The C++
+and Triton kernels reproduce the deterministic torch reference bit for bit, so they are
+deterministic whatever ``deterministic`` says; with impl "torch", ``deterministic=False`` keeps
+the original (index_add) reference, ``True`` uses the fixed-order one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import warnings
+from typing import Callable
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from moetron.dispatch import permute as ref
+from moetron.dispatch.permute import PermuteState
+
+IMPLS = ("auto", "torch", "cpp", "triton")
+
+_default_impl = os.environ.get("MOETRON_PERMUTE_IMPL", "torch")
+_default_deterministic = os.environ.get("MOETRON_PERMUTE_DETERMINISTIC", "0") == "1"
+_fallback_noticed = False
+
+
+def set_permute_impl(impl: str = "auto", *, deterministic: bool | None = None) -> None:
+    """Process-wide default for `permute`/`unpermute` calls that pass no `impl` (starts at "torch")."""
+    global _default_impl, _default_deterministic
+    if impl not in IMPLS:
+        raise ValueError(f"permute impl {impl!r} is unknown; choose one of {IMPLS}")
+    _default_impl = impl
+    if deterministic is not None:
+        _default_deterministic = bool(deterministic)
+
+
+def permute_impl() -> tuple[str, bool]:
+    """The process-wide default `(impl, deterministic)`."""
+    return _default_impl, _default_deterministic
+
+
+# ---- availability ----
+
+def _triton_installed() -> bool:
+    return "triton" in sys.modules or importlib.util.find_spec("triton") is not None
+
+
+def _triton_status(device: torch.device) -> tuple[bool, str]:
+    if not _triton_installed():
+        return False, "python package 'triton' is not installed (pip install triton)"
+    if device.type == "cuda":
+        return True, "Triton GPU kernel"
+    if device.type == "cpu":
+        module = sys.modules.get("moetron.kernels.triton_permute")  # interpret or not was fixed at its import
+        if module.INTERPRET if module is not None else os.environ.get("TRITON_INTERPRET") == "1":
+            return True, "Triton kernel under the interpreter (TRITON_INTERPRET=1)"
+        return False, ("Triton runs CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before "
+                       "moetron.kernels.triton_permute is imported")
+    return False, f"Triton does not run {device.type} tensors"
+
+
+def _cpp_status(device: torch.device, build: bool) -> tuple[bool, str]:
+    if device.type != "cpu":
+        return False, f"the C++ kernel runs CPU tensors only, got a {device.type} tensor"
+    from moetron.kernels.cpp_build import cpp_status
+
+    return cpp_status(build=build)
+
+
+def impl_status(device: torch.device | str = "cpu", build: bool = False) -> list[tuple[str, bool, str]]:
+    """`(impl, available, reason)` for tensors on `device`; `build=True` compiles the C++ kernel to know."""
+    device = torch.device(device)
+    return [("torch", True, "torch reference, any device"),
+            ("cpp", *_cpp_status(device, build)),
+            ("triton", *_triton_status(device))]
+
+
+def resolve(impl: str | None, deterministic: bool | None, device: torch.device) -> tuple[str, bool]:
+    """The concrete implementation for tensors on `device`: never "auto", never an unavailable one."""
+    global _fallback_noticed
+    impl = _default_impl if impl is None else impl
+    deterministic = _default_deterministic if deterministic is None else bool(deterministic)
+    if impl not in IMPLS:
+        raise ValueError(f"permute impl {impl!r} is unknown; choose one of {IMPLS}")
+    if impl == "torch":
+        return impl, deterministic
+    if impl == "auto":
+        if device.type == "cuda" and _triton_status(device)[0]:
+            return "triton", deterministic
+        if device.type == "cpu":
+            ok, reason = _cpp_status(device, build=True)
+            if ok:
+                return "cpp", deterministic
+            if not _fallback_noticed:
+                _fallback_noticed = True
+                warnings.warn(f"moetron: fused C++ permute unavailable ({reason}); using the torch reference",
+                              RuntimeWarning, stacklevel=3)
+        return "torch", deterministic
+    ok, reason = _cpp_status(device, build=True) if impl == "cpp" else _triton_status(device)
+    if not ok:
+        raise RuntimeError(f"permute impl {impl!r} was requested but is unavailable: {reason}")
+    return impl, deterministic
+
+
+# ---- kernel sets ----
+
+class TorchKernels:
+    """The deterministic reference, as a kernel set."""
+
+    name = "torch"
+    routing_plan = staticmethod(ref.routing_plan)
+    gather_rows = staticmethod(ref.gather_rows_reference)
+    reduce_slots = staticmethod(ref.reduce_slots_reference)
+    unpermute_backward = staticmethod(ref.unpermute_backward_reference)
+
+
+class CppKernels:
+    name = "cpp"
+
+    def __init__(self):
+        from moetron.kernels.cpp_build import load_permute_ops
+
+        self.ops = load_permute_ops()
+
+    def routing_plan(self, topk_idx_TK, num_experts, pad_multiple=1, pad_to=None) -> PermuteState:
+        T, K = topk_idx_TK.shape
+        token_idx, slot_idx, rows, padded_pos, row_of_slot, slot_of_row = self.ops.routing_plan(
+            topk_idx_TK, num_experts, pad_multiple, -1 if pad_to is None else pad_to)
+        padded = pad_multiple != 1 or pad_to is not None
+        return PermuteState(token_idx, slot_idx, T, rows, padded_pos if padded else None, topk=K,
+                            row_of_slot=row_of_slot, slot_of_row=slot_of_row)
+
+    def gather_rows(self, x_TH, slot_of_row, topk):
+        return self.ops.gather_rows(x_TH, slot_of_row, topk)
+
+    def reduce_slots(self, y_RH, row_of_slot, weights_TK, num_tokens, topk):
+        return self.ops.reduce_slots(y_RH, row_of_slot, weights_TK, num_tokens, topk)
+
+    def unpermute_backward(self, grad_TH, y_RH, slot_of_row, weights_TK, topk, need_grad_y, need_grad_w):
+        grad_y, grad_w = self.ops.unpermute_backward(grad_TH, y_RH, slot_of_row, weights_TK, topk,
+                                                     need_grad_y, need_grad_w)
+        return grad_y if need_grad_y else None, grad_w if need_grad_w else None
+
+
+class TritonKernels:
+    name = "triton"
+    routing_plan = staticmethod(ref.routing_plan)  # torch ops on the device: sort, counts, scatter
+
+    def __init__(self):
+        from moetron.kernels import triton_permute
+
+        self.gather_rows = triton_permute.gather_rows
+        self.reduce_slots = triton_permute.reduce_slots
+        self.unpermute_backward = triton_permute.unpermute_backward
+
+
+_kernel_sets: dict[str, object] = {}
+_factories: dict[str, Callable[[], object]] = {"torch": TorchKernels, "cpp": CppKernels, "triton": TritonKernels}
+
+
+def kernels_for(impl: str):
+    """The kernel set of a concrete implementation (resolve "auto" first)."""
+    if impl not in _kernel_sets:
+        _kernel_sets[impl] = _factories[impl]()
+    return _kernel_sets[impl]
+
+
+# ---- autograd ----
+
+class _FusedPermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, state: PermuteState, kernels):
+        ctx.state, ctx.kernels = state, kernels
+        return kernels.gather_rows(x_TH.contiguous(), state.slot_of_row, state.topk)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_RH):
+        s = ctx.state
+        grad_x = ctx.kernels.reduce_slots(grad_RH.contiguous(), s.row_of_slot, None, s.num_tokens, s.topk)
+        return grad_x, None, None
+
+
+class _FusedUnpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_RH, weights_TK, state: PermuteState, kernels):
+        ctx.state, ctx.kernels = state, kernels
+        y_RH = y_RH.contiguous()
+        if weights_TK is not None:
+            weights_TK = weights_TK.contiguous()
+        ctx.save_for_backward(y_RH if weights_TK is not None and ctx.needs_input_grad[1] else None, weights_TK)
+        return kernels.reduce_slots(y_RH, state.row_of_slot, weights_TK, state.num_tokens, state.topk)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_TH):
+        y_RH, weights_TK = ctx.saved_tensors
+        s, kernels = ctx.state, ctx.kernels
+        need_y, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_TH = grad_TH.contiguous()
+        if weights_TK is None:
+            return (kernels.gather_rows(grad_TH, s.slot_of_row, s.topk) if need_y else None), None, None, None
+        grad_y, grad_w = kernels.unpermute_backward(grad_TH, y_RH, s.slot_of_row, weights_TK, s.topk,
+                                                    need_y, need_w)
+        return grad_y, grad_w, None, None
+
+
+def fused_permute(x_TH: torch.Tensor, state: PermuteState, impl: str) -> torch.Tensor:
+    return _FusedPermute.apply(x_TH, state, kernels_for(impl))
+
+
+def fused_unpermute(y_RH: torch.Tensor, state: PermuteState, weights_TK: torch.Tensor | None,
+                    impl: str) -> torch.Tensor:
+    if weights_TK is not None:
+        weights_TK = weights_TK.reshape(state.num_tokens, state.topk)
+    return _FusedUnpermute.apply(y_RH, weights_TK, state, kernels_for(impl))

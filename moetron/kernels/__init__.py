@@ -1,0 +1,1 @@
+"""Native and Triton kernels (optional accelerators; each has a torch reference elsewhere)."""

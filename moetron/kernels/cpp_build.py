@@ -1,0 +1,116 @@
+"""Build and load `moetron/csrc/permute_cpu.cpp` on first use, once per machine.
+
+`torch.utils.cpp_extension.load` compiles the file with ninja into
+`$TORCH_EXTENSIONS_DIR/moetron_permute_cpu-torch<version>-py<ver>/` (default
+`~/.cache/torch_extensions/...`) and rebuilds only when the source or the flags change, so
+every later process just loads the cached library (a fraction of a second; the first build
+takes about 15 s of CPU). Concurrent first builds wait on torch's lock file in that folder.
+Building needs a C++ compiler (`$CXX` or `c++`) and `ninja`;
+when either is missing, or the build fails, `load_permute_ops()` raises `CppBuildError`
+with a one-line reason and the caller decides (an explicit `impl="cpp"` is an error,
+`impl="auto"` falls back to the torch reference with a one-line notice).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EXTENSION_NAME = "moetron_permute_cpu"
+SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "permute_cpu.cpp"
+# -ffp-contract=off: no FMA contraction, the fused numerics equal the torch reference bit for bit.
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+
+
+class CppBuildError(RuntimeError):
+    """The C++ permute kernel cannot be built or loaded here; the message is one line."""
+
+
+_lock = threading.Lock()
+_result: tuple[bool, str] | None = None  # (ok, reason or library path), cached for the process
+_build_seconds: float | None = None
+
+
+def _missing_tool() -> str | None:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler: '{cxx}' is not on PATH (install g++ or set CXX)"
+    try:
+        from torch.utils.cpp_extension import is_ninja_available
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return "torch.utils.cpp_extension is unavailable"
+    if not is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    if not SOURCE.is_file():
+        return f"source {SOURCE} not found (moetron installed without csrc/)"
+    return None
+
+
+def build_directory() -> Path:
+    """Per torch version and Python: a library built against one torch is never loaded by another."""
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions")
+    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}".replace("+", "_")
+    return Path(base) / f"{EXTENSION_NAME}-{tag}"
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    text = (errors or lines or [type(exc).__name__])[0]
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def load_permute_ops(verbose: bool = False):
+    """Build (first time on this machine) and load the extension; return `torch.ops.moetron_permute`."""
+    global _result, _build_seconds
+    with _lock:
+        if _result is None:
+            reason = _missing_tool()
+            if reason is not None:
+                _result = (False, reason)
+            else:
+                start = time.perf_counter()
+                try:
+                    from torch.utils.cpp_extension import load
+
+                    directory = build_directory()
+                    directory.mkdir(parents=True, exist_ok=True)
+                    load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                         extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                         is_python_module=False, verbose=verbose)
+                    _result = (True, "built")
+                except Exception as exc:  # a compiler error, a missing header, a load failure
+                    log.debug("building %s failed", EXTENSION_NAME, exc_info=True)
+                    _result = (False, f"building {SOURCE.name} failed: {_one_line(exc)}")
+                _build_seconds = time.perf_counter() - start
+    ok, reason = _result
+    if not ok:
+        raise CppBuildError(reason)
+    return torch.ops.moetron_permute
+
+
+def cpp_status(build: bool = False) -> tuple[bool, str]:
+    """`(available, reason)`. Without `build`, report only what is known without compiling."""
+    if _result is None and not build:
+        reason = _missing_tool()
+        return (False, reason) if reason else (True, "C++ CPU kernel (built on first use, then cached)")
+    try:
+        load_permute_ops()
+    except CppBuildError as exc:
+        return False, str(exc)
+    return True, f"C++ CPU kernel ({'loaded' if _build_seconds is None else f'loaded in {_build_seconds:.1f}s'})"
+
+
+def build_seconds() -> float | None:
+    """Seconds the first `load_permute_ops` call in this process took (build or cache load)."""
+    return _build_seconds
