@@ -81,6 +81,11 @@ def require(name: str) -> None:
 
 
 def format_env() -> str:
+    from moetron.dispatch.permute_kernels import impl_status
+
     rows = [f"{'backend':<20} {'available':<10} reason"]
     rows += [f"{s.name:<20} {'yes' if s.available else 'no':<10} {s.reason}" for s in backend_status()]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows += [f"{'permute:' + name:<20} {'yes' if ok else 'no':<10} {why}"
+             for name, ok, why in impl_status(device, build=False)]
     return "\n".join(rows)
