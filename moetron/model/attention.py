@@ -38,11 +38,18 @@ class GroupedQueryAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
+    def project_qkv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [B,S,heads*head_dim] (the seam tensor parallel overrides: one gather for all three)."""
+        return self.q_proj(x_BSH), self.k_proj(x_BSH), self.v_proj(x_BSH)
+
     def forward(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        B, S, _ = x_BSH.shape
-        q = self.q_norm(self.q_proj(x_BSH).view(B, S, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x_BSH).view(B, S, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x_BSH).view(B, S, -1, self.head_dim).transpose(1, 2)
+        # Shapes come from the projections, not x or the config: under tensor/sequence parallel
+        # they hold this rank's heads over the whole (gathered) sequence.
+        q, k, v = self.project_qkv(x_BSH)
+        B, S = q.shape[:2]
+        q = self.q_norm(q.view(B, S, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(B, S, -1, self.head_dim)).transpose(1, 2)
+        v = v.view(B, S, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = core_attention(q, k, v, self.head_dim ** -0.5, self.cfg.attention_backend)
@@ -76,14 +83,23 @@ class MultiLatentAttention(nn.Module):
             return self.q_proj(x_BSH)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSH)))
 
+    def latent_kv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normed kv latent [B,S,kv_lora_rank] and the shared rotary key [B,S,rope_dim]."""
+        latent, k_rot = self.kv_a_proj_with_mqa(x_BSH).split([self.cfg.kv_lora_rank, self.rope_dim], dim=-1)
+        return self.kv_a_layernorm(latent), k_rot
+
     def forward(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        B, S, _ = x_BSH.shape
-        h, interleaved = self.num_heads, self.cfg.rope_interleave
-        q = self.queries(x_BSH).view(B, S, h, -1).transpose(1, 2)
+        # Shapes come from the projections, not x or the config: under tensor/sequence parallel
+        # they hold this rank's heads over the whole (gathered) sequence.
+        interleaved = self.cfg.rope_interleave
+        q = self.queries(x_BSH)
+        B, S = q.shape[:2]
+        q = q.view(B, S, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
+        h = q.shape[1]
         q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
 
-        latent, k_rot = self.kv_a_proj_with_mqa(x_BSH).split([self.cfg.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, h, -1).transpose(1, 2)
+        latent, k_rot = self.latent_kv(x_BSH)
+        kv = self.kv_b_proj(latent).view(B, S, h, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
 
         cos, sin = rope

@@ -76,6 +76,14 @@ class MoETransformer(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(h, self.output_weight())
 
+    def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Mean cross-entropy of `head` logits over the non-ignored labels, and their count.
+
+        The one place the LM and MTP losses are computed from logits, so a model whose head is
+        vocab-parallel (parallel/parallelize.py) swaps in the vocab-parallel cross-entropy here.
+        """
+        return lm_cross_entropy(logits, labels)
+
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]
 
@@ -91,7 +99,7 @@ class MoETransformer(nn.Module):
         logits = self.head(self.norm(h))
         out = ModelOutput(logits=logits)
         if labels is not None:
-            out.loss, out.num_tokens = lm_cross_entropy(logits, labels)
+            out.loss, out.num_tokens = self.lm_loss(logits, labels)
             out.total_loss = out.loss
             if len(self.mtp):
                 out.mtp_loss = self._mtp_loss(h, input_ids, labels, rope)
@@ -106,7 +114,7 @@ class MoETransformer(nn.Module):
             k = module.depth
             future_ids = shift_left(labels, k - 1, IGNORE_INDEX).clamp_min(0)  # token t[i+k]
             h, normed = module(h, self.embed_tokens(future_ids), rope)
-            loss, _ = lm_cross_entropy(self.head(normed), shift_left(labels, k, IGNORE_INDEX))
+            loss, _ = self.lm_loss(self.head(normed), shift_left(labels, k, IGNORE_INDEX))
             losses.append(loss)
         return torch.stack(losses).mean()
 

@@ -1,0 +1,546 @@
+"""Tensor- and sequence-parallel building blocks: sharded linears, vocab-parallel embedding and
+cross-entropy, sequence scatter/gather, and the chunked communication overlap.
+
+Conventions (those of comm.py): the objective is the sum of every rank's loss, a tensor replicated
+over the TP group counts once, and every rank of the group holds the full gradient of a replicated
+tensor. So:
+
+- `ColumnParallelLinear` holds rows `rank*out/tp ...` of the weight. Its input is either replicated
+  (it enters the TP region with `copy_to_group`, whose backward sums the ranks' partial input
+  gradients) or, with sequence parallel, sharded along the sequence (it all-gathers the sequence;
+  the backward reduce-scatters).
+- `RowParallelLinear` holds the matching columns; its partial outputs are summed with an all-reduce
+  or, with sequence parallel, a reduce-scatter along the sequence (each rank keeps its shard).
+- A replicated parameter that only sees part of the work on each rank (a norm or bias applied to
+  this rank's sequence shard, a q/k norm applied to this rank's heads, a kv head shared by several
+  ranks) gets `sum_grad_over_group`: its gradient is summed over the group inside backward, so after
+  `backward()` every parameter's `.grad` is complete and identical where the parameter is.
+
+Sequence parallel shards activations along `seq_dim` (-2: [B,S,H] or [T,H]), in rank order.
+
+Communication overlap (`overlap_chunks > 1`, sequence parallel only): the all-gather before a
+column-parallel GEMM is issued as `overlap_chunks` asynchronous collectives of sequence chunks, and
+the GEMM of chunk i runs while chunks i+1.. are still in flight; the GEMM before a reduce-scatter
+likewise computes chunk i+1 while chunk i's reduce-scatter is in flight. Backward mirrors both
+(reduce-scatter of chunked input gradients behind the GEMMs; all-gather of chunked output gradients
+ahead of them) and computes weight gradients while the last collectives drain. Chunk i of the
+sequence is rows `a_i..b_i` of every rank's shard, so each chunk is one collective of equal-sized
+pieces. Results equal the plain path up to float summation order (the weight gradient is one GEMM
+over the whole sequence, as in the plain path). On GPU, Transformer Engine's userbuffer overlap is
+the faster route; this is the portable torch one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moetron.parallel import comm
+from moetron.parallel.state import Group
+
+_all_gather_single = comm._all_gather_single
+_reduce_scatter_single = comm._reduce_scatter_single
+
+
+# ---- sequence-parallel scatter / gather ------------------------------------------------------
+
+
+def scatter_to_sequence_parallel(x: torch.Tensor, group: Group, seq_dim: int = -2) -> torch.Tensor:
+    """Keep this rank's shard of a replicated tensor along the sequence (backward all-gathers)."""
+    return comm.split(x, group, seq_dim)
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group: Group, seq_dim: int = -2, *,
+                                  reduce_grad: bool = True) -> torch.Tensor:
+    """All-gather the sequence shards. Backward reduce-scatters (each rank's consumer differs);
+    `reduce_grad=False` when every rank's consumer is identical (backward keeps this rank's slice)."""
+    return comm.all_gather(x, group, seq_dim, reduce_grad=reduce_grad)
+
+
+def reduce_scatter_to_sequence_parallel(x: torch.Tensor, group: Group, seq_dim: int = -2) -> torch.Tensor:
+    """Sum the ranks' partial tensors and keep this rank's sequence shard (backward all-gathers)."""
+    return comm.reduce_scatter(x, group, seq_dim)
+
+
+class _KeepOwnSliceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rank, size, dim):
+        ctx.rank, ctx.size, ctx.dim = rank, size, dim
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = grad.shape[ctx.dim] // ctx.size
+        out = torch.zeros_like(grad)
+        out.narrow(ctx.dim, ctx.rank * n, n).copy_(grad.narrow(ctx.dim, ctx.rank * n, n))
+        return out, None, None, None
+
+
+def keep_own_slice_grad(x: torch.Tensor, group: Group, seq_dim: int = -2) -> torch.Tensor:
+    """Identity; backward keeps only this rank's sequence slice of the gradient.
+
+    For a replicated computation (identical on every rank, with the full gradient everywhere) that
+    reads a tensor gathered with `gather_from_sequence_parallel`: the gather's reduce-scatter then
+    adds each slice exactly once instead of `tp` times.
+    """
+    if group.size == 1:
+        return x
+    return _KeepOwnSliceGrad.apply(x, group.rank, group.size, seq_dim % x.dim())
+
+
+def sum_grad_over_group(param: torch.Tensor, group: Group) -> None:
+    """Sum `param`'s gradient over `group` as backward produces it (idempotent; no-op for size 1).
+
+    For a parameter replicated over the group whose use on each rank covers only part of the work
+    (this rank's sequence shard or heads): afterwards `.grad` is the full gradient on every rank.
+    """
+    if group.size == 1 or getattr(param, "_tp_grad_sum_group", None) is not None:
+        return
+    param._tp_grad_sum_group = group
+    param.register_hook(lambda grad: comm.all_reduce(grad, group))
+
+
+def _mark_sharded(param: nn.Parameter, dim: int) -> None:
+    # Megatron's attribute names, so grad-norm and checkpoint code can tell shards from replicas.
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_stride = 1
+
+
+# ---- chunked, overlapped all-gather -> GEMM and GEMM -> reduce-scatter -----------------------
+
+
+def _chunk_bounds(n: int, chunks: int) -> list[tuple[int, int]]:
+    chunks = max(1, min(chunks, n))
+    bounds, start = [], 0
+    for i in range(chunks):
+        stop = start + n // chunks + (i < n % chunks)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _front(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """View of a full-sequence tensor as [size, S_local, ...rest] (rank-major), no copy."""
+    front = t.movedim(dim, 0)
+    return front.unflatten(0, (size, front.shape[0] // size))
+
+
+class _AllGatherLinear(torch.autograd.Function):
+    """outs[j] = linear(all_gather(x, dim), weights[j], biases[j]), gathered chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, x, handle, size, dim, chunks, *params):
+        weights, biases = params[0::2], params[1::2]
+        x_front = x.movedim(dim, 0)
+        s_local = x_front.shape[0]
+        bounds = _chunk_bounds(s_local, chunks)
+        full_shape = list(x.shape)
+        full_shape[dim] = size * s_local
+        x_full = x.new_empty(full_shape)
+        outs = [x.new_empty(full_shape[:-1] + [w.shape[0]]) for w in weights]
+        xf_front, out_fronts = _front(x_full, dim, size), [_front(o, dim, size) for o in outs]
+        pending = []  # every chunk's gather is in flight before the first GEMM starts
+        for a, b in bounds:  # (inputs stay referenced until their collective is waited for)
+            piece = x_front[a:b].contiguous()
+            buf = piece.new_empty((size * (b - a), *piece.shape[1:]))
+            pending.append((buf, _all_gather_single(buf, piece, group=handle, async_op=True), piece))
+        for (a, b), (buf, work, _) in zip(bounds, pending):
+            work.wait()
+            chunk = buf.unflatten(0, (size, b - a))
+            xf_front[:, a:b].copy_(chunk)
+            for w, bias, of in zip(weights, biases, out_fronts):
+                of[:, a:b].copy_(F.linear(chunk, w, bias))
+        ctx.save_for_backward(x_full, *weights)
+        ctx.handle, ctx.size, ctx.dim, ctx.bounds = handle, size, dim, bounds
+        ctx.has_bias = [b is not None for b in biases]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x_full, *weights = ctx.saved_tensors
+        size, dim, handle = ctx.size, ctx.dim, ctx.handle
+        g_fronts = [_front(g, dim, size) for g in grads]
+        local_shape = list(x_full.shape)
+        local_shape[dim] //= size
+        grad_x = x_full.new_empty(local_shape)
+        gx_front = grad_x.movedim(dim, 0)
+        pending = []  # reduce-scatter chunk i while chunk i+1's input gradient is computed
+        for a, b in ctx.bounds:
+            acc = None
+            for g_front, w in zip(g_fronts, weights):
+                part = g_front[:, a:b].matmul(w)
+                acc = part if acc is None else acc.add_(part)
+            acc = acc.contiguous().flatten(0, 1)
+            buf = acc.new_empty((acc.shape[0] // size, *acc.shape[1:]))
+            pending.append((buf, _reduce_scatter_single(buf, acc, group=handle, async_op=True), acc))
+        x2 = x_full.reshape(-1, x_full.shape[-1])
+        param_grads = []
+        for j, (g, has_bias) in enumerate(zip(grads, ctx.has_bias)):  # overlaps the last reduce-scatters
+            g2 = g.reshape(-1, g.shape[-1])
+            needs_w, needs_b = ctx.needs_input_grad[5 + 2 * j], ctx.needs_input_grad[6 + 2 * j]
+            param_grads += [g2.t().mm(x2) if needs_w else None, g2.sum(0) if has_bias and needs_b else None]
+        for (a, b), (buf, work, _) in zip(ctx.bounds, pending):
+            work.wait()
+            gx_front[a:b].copy_(buf)
+        return (grad_x, None, None, None, None, *param_grads)
+
+
+class _LinearReduceScatter(torch.autograd.Function):
+    """reduce_scatter(linear(x, weight), dim), computed and reduced chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, x, weight, handle, size, dim, chunks):
+        x_front = _front(x, dim, size)
+        s_local = x_front.shape[1]
+        bounds = _chunk_bounds(s_local, chunks)
+        local_shape = list(x.shape)
+        local_shape[dim] = s_local
+        local_shape[-1] = weight.shape[0]
+        y = x.new_empty(local_shape)
+        y_front = y.movedim(dim, 0)
+        pending = []  # chunk i is reduced while chunk i+1 is computed
+        for a, b in bounds:
+            part = F.linear(x_front[:, a:b], weight).contiguous().flatten(0, 1)
+            buf = part.new_empty((part.shape[0] // size, *part.shape[1:]))
+            pending.append((buf, _reduce_scatter_single(buf, part, group=handle, async_op=True), part))
+        for (a, b), (buf, work, _) in zip(bounds, pending):
+            work.wait()
+            y_front[a:b].copy_(buf)
+        ctx.save_for_backward(x, weight)
+        ctx.handle, ctx.size, ctx.dim, ctx.bounds = handle, size, dim, bounds
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        size, dim, handle = ctx.size, ctx.dim, ctx.handle
+        g_front = grad.movedim(dim, 0)
+        full_shape = list(grad.shape)
+        full_shape[dim] *= size
+        g_full = grad.new_empty(full_shape)
+        gf_front = _front(g_full, dim, size)
+        grad_x = x.new_empty(x.shape)
+        gx_front = _front(grad_x, dim, size)
+        pending = []
+        for a, b in ctx.bounds:
+            piece = g_front[a:b].contiguous()
+            buf = piece.new_empty((size * (b - a), *piece.shape[1:]))
+            pending.append((buf, _all_gather_single(buf, piece, group=handle, async_op=True), piece))
+        for (a, b), (buf, work, _) in zip(ctx.bounds, pending):
+            work.wait()
+            chunk = buf.unflatten(0, (size, b - a))
+            gf_front[:, a:b].copy_(chunk)
+            gx_front[:, a:b].copy_(chunk.matmul(weight))
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = g_full.reshape(-1, g_full.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_w, None, None, None, None
+
+
+def all_gather_linear(x: torch.Tensor, weights, biases, group: Group, seq_dim: int = -2,
+                      overlap_chunks: int = 1) -> list[torch.Tensor]:
+    """`[linear(gather(x), w, b) for w, b]` for sequence-sharded x: one gather shared by every GEMM,
+    in `overlap_chunks` overlapped pieces when > 1."""
+    if group.size == 1:
+        return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+    dim = seq_dim % x.dim()
+    if dim == x.dim() - 1:
+        raise ValueError("seq_dim must not be the feature (last) dimension")
+    if overlap_chunks <= 1:
+        x_full = comm.all_gather(x, group, dim)
+        return [F.linear(x_full, w, b) for w, b in zip(weights, biases)]
+    params = [t for wb in zip(weights, biases) for t in wb]
+    return list(_AllGatherLinear.apply(x, group.handle, group.size, dim, overlap_chunks, *params))
+
+
+def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group: Group, seq_dim: int = -2,
+                          overlap_chunks: int = 1) -> torch.Tensor:
+    """`reduce_scatter(linear(x, weight), seq_dim)`, in `overlap_chunks` overlapped pieces when > 1."""
+    if group.size == 1:
+        return F.linear(x, weight)
+    dim = seq_dim % x.dim()
+    if x.shape[dim] % group.size:
+        raise ValueError(f"sequence parallel: the sequence dim {dim} of shape {tuple(x.shape)} is not "
+                         f"divisible by tp={group.size}")
+    if overlap_chunks <= 1:
+        return comm.reduce_scatter(F.linear(x, weight), group, dim)
+    return _LinearReduceScatter.apply(x, weight, group.handle, group.size, dim, overlap_chunks)
+
+
+# ---- sharded layers --------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(nn.Module):
+    """`y[..., rank's out slice] = x @ W[rank rows]^T (+ b)`; the output stays split on features.
+
+    `gather_input=False` when the input is already inside the TP region (replicated with summed
+    gradients, or already gathered). `used_rows` (from `from_linear(..., replicate_rows=...)`) keeps
+    the whole weight replicated and uses only those rows, summing its gradient over the group: how a
+    kv head shared by several TP ranks is held.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = False,
+                 sequence_parallel: bool = False, gather_input: bool = True, seq_dim: int = -2,
+                 overlap_chunks: int = 1, init_std: float = 0.02):
+        super().__init__()
+        self._configure(in_features, out_features, group, sequence_parallel, gather_input, seq_dim,
+                        overlap_chunks)
+        local = out_features // group.size
+        self.weight = nn.Parameter(torch.empty(local, in_features))
+        nn.init.normal_(self.weight, std=init_std)
+        self.bias = nn.Parameter(torch.zeros(local)) if bias else None
+        self._mark()
+
+    def _configure(self, in_features, out_features, group, sequence_parallel, gather_input, seq_dim,
+                   overlap_chunks, split: bool = True) -> None:
+        if split and out_features % group.size:
+            raise ValueError(f"tp={group.size} does not divide out_features={out_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.sequence_parallel = group, sequence_parallel and group.size > 1
+        self.gather_input, self.seq_dim, self.overlap_chunks = gather_input, seq_dim, overlap_chunks
+        self.used_rows: slice | None = None
+
+    def _mark(self) -> None:
+        if self.used_rows is not None:
+            for p in (self.weight, self.bias):
+                if p is not None:
+                    sum_grad_over_group(p, self.group)
+            return
+        _mark_sharded(self.weight, 0)
+        if self.bias is not None:
+            _mark_sharded(self.bias, 0)
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, group: Group, *, replicate_rows: slice | None = None,
+                    sequence_parallel: bool = False, gather_input: bool = True, seq_dim: int = -2,
+                    overlap_chunks: int = 1) -> ColumnParallelLinear:
+        """This rank's rows of a full `nn.Linear` (or all of it, using `replicate_rows`)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        out_features = linear.out_features
+        self._configure(linear.in_features, out_features, group, sequence_parallel, gather_input, seq_dim,
+                        overlap_chunks, split=replicate_rows is None)
+        if replicate_rows is None:
+            n = out_features // group.size
+            rows = slice(group.rank * n, (group.rank + 1) * n)
+            self.weight = nn.Parameter(linear.weight[rows].clone())
+            self.bias = None if linear.bias is None else nn.Parameter(linear.bias[rows].clone())
+        else:
+            if not 0 <= replicate_rows.start < replicate_rows.stop <= out_features:
+                raise ValueError(f"replicate_rows={replicate_rows} is outside the {out_features} rows")
+            self.used_rows = replicate_rows
+            self.weight = linear.weight
+            self.bias = linear.bias
+        self._mark()
+        return self
+
+    def local_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.used_rows is None:
+            return self.weight, self.bias
+        return self.weight[self.used_rows], None if self.bias is None else self.bias[self.used_rows]
+
+    def forward(self, x: torch.Tensor, *, input_entered: bool = False) -> torch.Tensor:
+        return column_parallel_forward(x, [self], input_entered=input_entered)[0]
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (local {tuple(self.weight.shape)}), "
+                f"tp={self.group.size}, sp={self.sequence_parallel}, gather_input={self.gather_input}")
+
+
+def column_parallel_forward(x: torch.Tensor, layers, *, input_entered: bool = False) -> list[torch.Tensor]:
+    """Run column-parallel layers that share one input, entering the TP region once for all."""
+    first = layers[0]
+    group, sp = first.group, first.sequence_parallel
+    setting = (group, sp, first.gather_input, first.seq_dim, first.overlap_chunks)
+    if any((l.group, l.sequence_parallel, l.gather_input, l.seq_dim, l.overlap_chunks) != setting for l in layers):
+        raise ValueError("column_parallel_forward: the layers must share group, sequence_parallel, gather_input, "
+                         "seq_dim and overlap_chunks")
+    params = [layer.local_weight() for layer in layers]
+    weights, biases = [w for w, _ in params], [b for _, b in params]
+    if not first.gather_input or input_entered or group.size == 1:
+        return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+    if sp:
+        return all_gather_linear(x, weights, biases, group, first.seq_dim, first.overlap_chunks)
+    x = comm.copy_to_group(x, group)
+    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+
+
+class RowParallelLinear(nn.Module):
+    """`y = sum over ranks of x[..., rank's in slice] @ W[:, rank cols]^T (+ b)`.
+
+    The sum is an all-reduce (output replicated) or, with sequence parallel, a reduce-scatter along
+    `seq_dim` (output sharded on the sequence). The bias is added once, after the sum.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = False,
+                 sequence_parallel: bool = False, seq_dim: int = -2, overlap_chunks: int = 1,
+                 init_std: float = 0.02):
+        super().__init__()
+        self._configure(in_features, out_features, group, sequence_parallel, seq_dim, overlap_chunks)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size))
+        nn.init.normal_(self.weight, std=init_std)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self._mark()
+
+    def _configure(self, in_features, out_features, group, sequence_parallel, seq_dim, overlap_chunks) -> None:
+        if in_features % group.size:
+            raise ValueError(f"tp={group.size} does not divide in_features={in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.sequence_parallel = group, sequence_parallel and group.size > 1
+        self.seq_dim, self.overlap_chunks = seq_dim, overlap_chunks
+
+    def _mark(self) -> None:
+        _mark_sharded(self.weight, 1)
+        if self.bias is not None and self.sequence_parallel:
+            sum_grad_over_group(self.bias, self.group)  # added to this rank's sequence shard only
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, group: Group, *, sequence_parallel: bool = False,
+                    seq_dim: int = -2, overlap_chunks: int = 1) -> RowParallelLinear:
+        """This rank's columns of a full `nn.Linear`; the bias (if any) stays whole."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._configure(linear.in_features, linear.out_features, group, sequence_parallel, seq_dim, overlap_chunks)
+        n = linear.in_features // group.size
+        self.weight = nn.Parameter(linear.weight[:, group.rank * n:(group.rank + 1) * n].clone())
+        self.bias = linear.bias
+        self._mark()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel:
+            y = linear_reduce_scatter(x, self.weight, self.group, self.seq_dim, self.overlap_chunks)
+        else:
+            y = comm.all_reduce(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
+                f"tp={self.group.size}, sp={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (the vocabulary) are split over the group: rank r holds ids
+    `r*V/tp ... (r+1)*V/tp - 1`. Each rank looks up its ids (zeros elsewhere) and the partial
+    results are summed: all-reduce, or reduce-scatter along `seq_dim` with sequence parallel."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group, *,
+                 sequence_parallel: bool = False, seq_dim: int = -2, init_std: float = 0.02):
+        super().__init__()
+        self._configure(num_embeddings, embedding_dim, group, sequence_parallel, seq_dim)
+        self.weight = nn.Parameter(torch.empty(num_embeddings // group.size, embedding_dim))
+        nn.init.normal_(self.weight, std=init_std)
+        _mark_sharded(self.weight, 0)
+
+    def _configure(self, num_embeddings, embedding_dim, group, sequence_parallel, seq_dim) -> None:
+        if num_embeddings % group.size:
+            raise ValueError(f"tp={group.size} does not divide vocab_size={num_embeddings}: pad the "
+                             f"vocabulary to a multiple of tp")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.group, self.sequence_parallel, self.seq_dim = group, sequence_parallel and group.size > 1, seq_dim
+        self.vocab_start = group.rank * (num_embeddings // group.size)
+
+    @classmethod
+    @torch.no_grad()
+    def from_embedding(cls, embedding: nn.Embedding, group: Group, *, sequence_parallel: bool = False,
+                       seq_dim: int = -2) -> VocabParallelEmbedding:
+        """This rank's rows of a full `nn.Embedding` (or a tied output weight's owner)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._configure(embedding.num_embeddings, embedding.embedding_dim, group, sequence_parallel, seq_dim)
+        n = self.num_embeddings // group.size
+        self.weight = nn.Parameter(embedding.weight[self.vocab_start:self.vocab_start + n].clone())
+        _mark_sharded(self.weight, 0)
+        return self
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.weight.shape[0])
+        emb = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.weight)
+        emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)
+        if not self.sequence_parallel:
+            return comm.all_reduce(emb, self.group)
+        dim = self.seq_dim % emb.dim()
+        if emb.shape[dim] % self.group.size:
+            raise ValueError(f"sequence parallel splits the sequence over tp={self.group.size} ranks, but "
+                             f"input_ids of shape {tuple(ids.shape)} have {emb.shape[dim]} positions; "
+                             f"use a sequence length divisible by tp")
+        return comm.reduce_scatter(emb, self.group, dim)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} (local rows {self.vocab_start}.."
+                f"{self.vocab_start + self.weight.shape[0] - 1}), tp={self.group.size}, sp={self.sequence_parallel}")
+
+
+# ---- vocab-parallel cross-entropy ------------------------------------------------------------
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token loss from logits split on the vocabulary; only [N] vectors cross ranks."""
+
+    @staticmethod
+    def forward(ctx, logits_NV, labels_N, handle, vocab_start, ignore_index):
+        x = logits_NV.float()
+        n_local = x.shape[-1]
+        max_N = x.max(dim=-1).values
+        dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=handle)
+        x = x - max_N.unsqueeze(-1)  # a fresh buffer: reused below for exp and softmax
+        mine = (labels_N >= vocab_start) & (labels_N < vocab_start + n_local)
+        local_N = (labels_N - vocab_start).masked_fill(~mine, 0)
+        target_N = x.gather(1, local_N.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
+        x.exp_()
+        stats = torch.stack([x.sum(dim=-1), target_N])  # one all-reduce for both
+        dist.all_reduce(stats, group=handle)
+        sum_exp_N, target_N = stats[0], stats[1]
+        valid = labels_N != ignore_index
+        loss_N = (torch.log(sum_exp_N) - target_N).masked_fill(~valid, 0.0)
+        x.div_(sum_exp_N.unsqueeze(-1))  # softmax of this rank's vocabulary slice
+        ctx.save_for_backward(x, local_N, mine & valid, valid)
+        ctx.logits_dtype = logits_NV.dtype
+        return loss_N
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        softmax, local_N, target_here, valid = ctx.saved_tensors
+        g = grad_N.float().masked_fill(~valid, 0.0)
+        grad = softmax * g.unsqueeze(-1)
+        grad.scatter_add_(1, local_N.unsqueeze(1), -(g * target_here).unsqueeze(1))
+        return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Group, *,
+                                 vocab_start: int | None = None, ignore_index: int = -100,
+                                 reduction: str = "sum") -> torch.Tensor:
+    """Cross-entropy of logits split on the vocabulary over `group`, in fp32, without gathering them.
+
+    logits `[..., V/tp]` hold vocabulary ids `vocab_start ...` (default `rank * V/tp`); labels `[...]`
+    hold full-vocabulary ids, `ignore_index` where ignored. Equals `F.cross_entropy` of the full
+    logits; `reduction` is "sum" (as moetron.ops.cross_entropy), "mean" (over non-ignored labels)
+    or "none". Backward needs no communication: each rank gets the gradient of its slice.
+    """
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduction={reduction!r}: choose 'sum', 'mean' or 'none'")
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on the "
+                         f"token dims")
+    if vocab_start is None:
+        vocab_start = group.rank * logits.shape[-1]
+    logits_NV, labels_N = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if group.size == 1:
+        loss_N = F.cross_entropy(logits_NV.float(), labels_N, ignore_index=ignore_index, reduction="none")
+    else:
+        loss_N = _VocabParallelCrossEntropy.apply(logits_NV, labels_N, group.handle, vocab_start, ignore_index)
+    if reduction == "none":
+        return loss_N.view(labels.shape)
+    total = loss_N.sum()
+    if reduction == "sum":
+        return total
+    return total / (labels_N != ignore_index).sum()
