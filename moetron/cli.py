@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from moetron.recipes.catalog import DEFAULT_RECIPE
 
 
@@ -14,6 +16,11 @@ def _cmd_train(args) -> int:
 
     recipe = apply_overrides(get_recipe(args.recipe), args.set or [])
     history = train(recipe)
+    if torch.distributed.is_initialized():
+        rank = torch.distributed.get_rank()
+        torch.distributed.destroy_process_group()
+        if rank:
+            return 0
     if not history:
         print("done: nothing to do, the checkpoint already covers train.steps")
         return 0

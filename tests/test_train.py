@@ -50,8 +50,8 @@ def test_batches_are_deterministic_shifted_and_real_text():
     tokens = stdlib_corpus(max_bytes=1 << 20)
     assert tokens.max() < 256 and tokens.unique().numel() > 60  # real text, not zeros
     data = TokenBatches(tokens, seq_len=16, batch_size=3, seed=1)
-    x, y = data.batch(step=5, micro=1)
-    x2, y2 = data.batch(step=5, micro=1)
+    x, y = data.batch(step=5, index=1)
+    x2, y2 = data.batch(step=5, index=1)
     assert torch.equal(x, x2) and torch.equal(y, y2)
     assert torch.equal(x[:, 1:], y[:, :-1])
     assert not torch.equal(data.batch(step=6)[0], x)
@@ -60,11 +60,11 @@ def test_batches_are_deterministic_shifted_and_real_text():
 @pytest.mark.parametrize("name", ["qwen3-moe-tiny", "deepseek-v3-tiny"])
 def test_training_reduces_loss_and_writes_metrics(name, tmp_path):
     metrics = tmp_path / "m.jsonl"
-    recipe = apply_overrides(get_recipe(name), SMALL + ["train.steps=25", "train.warmup_steps=3",
+    recipe = apply_overrides(get_recipe(name), SMALL + ["train.steps=14", "train.warmup_steps=3",
                                                         f"train.metrics_file={metrics}", "train.grad_accum=2"])
     history = train(recipe, log=lambda s: None)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert len(rows) == 25 and rows[-1]["step"] == 24
+    assert len(rows) == 14 and rows[-1]["step"] == 13
     for key in ("step", "loss", "lm_loss", "grad_norm", "lr", "tokens_per_s"):
         assert key in rows[0]
     first = sum(h["lm_loss"] for h in history[:3]) / 3

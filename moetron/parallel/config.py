@@ -39,6 +39,10 @@ class ParallelConfig:
     vpp: int = 1
     sp: bool = False
     order: str = "tp-cp-ep-dp-pp"
+    layout: str | None = None  # pipeline layout string (REFERENCE §3); None: balanced automatically
+    schedule: str = "1f1b"  # pipeline schedule: 1f1b, interleaved, zb1p, dualpipe, dualpipev
+    dispatcher: str = "alltoall"  # MoE token dispatcher under EP: alltoall, allgather, flex
+    flex_backend: str = "torch"  # backend of the flex dispatcher: torch, deepep, nvshmem
 
     def __post_init__(self) -> None:
         if self.etp is None:
@@ -53,6 +57,11 @@ class ParallelConfig:
                 "pp ranks, so set pp > 1 or vpp=1"
             )
         parse_order(self.order)
+        schedules = ("1f1b", "interleaved", "zb1p", "dualpipe", "dualpipev")
+        if self.schedule not in schedules:
+            raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {schedules}")
+        if self.dispatcher not in ("alltoall", "allgather", "flex"):
+            raise ValueError(f"dispatcher={self.dispatcher!r} is unknown; choose alltoall, allgather or flex")
 
     @property
     def sequence_parallel(self) -> bool:

@@ -499,7 +499,10 @@ class DataParallel:
 
 
 def counts_in_norm(param: nn.Parameter, ps: ParallelState) -> bool:
-    """A dense parameter counts in the global norm on one TP rank unless it is TP-sharded."""
+    """A dense parameter counts in the global norm on one TP rank unless it is TP-sharded, and
+    on one pipeline rank when several hold it (`pipeline_duplicate` marks the other copies)."""
+    if getattr(param, "pipeline_duplicate", False):
+        return False
     return bool(getattr(param, "tensor_model_parallel", False)) or ps.tp.rank == 0
 
 

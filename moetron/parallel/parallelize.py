@@ -54,7 +54,7 @@ from moetron.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelL
                                               all_gather_linear, column_parallel_forward, keep_own_slice_grad,
                                               sum_grad_over_group, vocab_parallel_cross_entropy)
 
-__all__ = ["tensor_parallelize", "unshard_tensors", "TensorParallelMoELayer", "TensorParallelMoEState",
+__all__ = ["expert_parallelize", "tensor_parallelize", "unshard_tensors", "TensorParallelMoELayer", "TensorParallelMoEState",
            "TensorParallelMoETransformer"]
 
 
@@ -396,3 +396,32 @@ def unshard_tensors(model: nn.Module, parallel_state: ParallelState,
         else:
             out[name] = t
     return out
+
+
+# ---- expert parallel without tensor parallel ------------------------------------------------
+
+
+@torch.no_grad()
+def expert_parallelize(model: MoETransformer, parallel_state: ParallelState, dispatcher: str | None = None, *,
+                       flex_backend: str = "torch") -> MoETransformer:
+    """Give every MoE layer of `model` (full weights, identical on every rank) the expert grid of
+    `parallel_state`: experts sharded over EP x ETP and reached through `dispatcher`, balancing
+    statistics reduced over the stage's ranks. Router and shared experts are kept as they are.
+    For tp > 1 use `tensor_parallelize`, which does this too."""
+    if parallel_state.tp.size > 1:
+        raise ValueError("expert_parallelize is for tp=1; tensor_parallelize shards experts under TP")
+    for layer in [m for m in model.modules() if isinstance(m, DecoderLayer)]:
+        old = layer.mlp
+        if not isinstance(old, MoELayer) or old.parallel_state is not None:
+            continue
+        gate_up, down = old.experts.gate_up_proj, old.experts.down_proj
+        sharded = parallel_state.ep.size * parallel_state.etp.size > 1
+        new = MoELayer(old.config, (dispatcher or "alltoall") if sharded else "local",
+                       parallel_state=parallel_state, pad_multiple=getattr(old.dispatcher, "pad_multiple", 1),
+                       flex_backend=flex_backend)
+        new.experts.to(gate_up.dtype)
+        new.experts.load_full_experts(gate_up, down)
+        new.router, new.shared_experts, new.shared_expert_gate = old.router, old.shared_experts, old.shared_expert_gate
+        new.train(old.training)
+        layer.mlp = new
+    return model

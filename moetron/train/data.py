@@ -1,8 +1,10 @@
 """Built-in training data: the running interpreter's own standard library, byte-tokenized.
 
 Real text that exists on every machine, so the default recipe needs no download.
-Batches are a pure function of (seed, step, micro-batch), which makes sampling
-deterministic and resumable from any step.
+A micro-batch is a pure function of (seed, step, its index in the global batch), which
+makes sampling deterministic, resumable from any step, and independent of the layout:
+data-parallel rank r of D takes global micro-batches r, r+D, r+2D, ..., so one process
+accumulating all of them sees exactly the same data.
 """
 
 from __future__ import annotations
@@ -44,10 +46,9 @@ class TokenBatches:
             raise ValueError(f"data has {tokens.numel()} tokens, fewer than seq_len+1={seq_len + 1}")
         self.tokens, self.seq_len, self.batch_size, self.seed = tokens, seq_len, batch_size, seed
 
-    def batch(self, step: int, micro: int = 0, shard: int = 0, num_shards: int = 1
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch of (step, micro-batch); `shard` of `num_shards` data-parallel ranks."""
-        gen = torch.Generator().manual_seed(hash((self.seed, step, micro, shard, num_shards)) % (2**63))
+    def batch(self, step: int, index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global micro-batch `index` of `step`: `(input_ids, labels)`, labels shifted by one."""
+        gen = torch.Generator().manual_seed(hash((self.seed, step, index)) % (2**63))
         starts = torch.randint(0, self.tokens.numel() - self.seq_len - 1, (self.batch_size,), generator=gen)
         windows = torch.stack([self.tokens[s: s + self.seq_len + 1] for s in starts.tolist()])
         return windows[:, :-1], windows[:, 1:]

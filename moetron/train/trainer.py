@@ -1,11 +1,13 @@
 """The training loop: AdamW, warm-up + cosine, clipping, accumulation, balancing, metrics.
 
-One process for now; parallel layouts arrive with the parallel runtime and are
-refused with a clear message until then.
+The same loop runs one process or any layout launched with torchrun: `setup.build_run`
+shards the model, and each step either accumulates micro-batches through the model
+(data / tensor / expert parallel) or runs the pipeline schedule over them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -13,104 +15,133 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
-from moetron.model.model import MoETransformer
 from moetron.model.size import model_size, training_flops_per_token
 from moetron.moe import balancing
 from moetron.recipes.recipe import Recipe
 from moetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from moetron.train.data import BYTE_VOCAB, TokenBatches, stdlib_corpus
+from moetron.train.setup import TrainingRun, build_optimizer, build_run
 
-
-def _check_single_process(recipe: Recipe) -> None:
-    p = recipe.parallel
-    layout = {k: getattr(p, k) for k in ("tp", "cp", "ep", "etp", "pp", "vpp")}
-    if any(v != 1 for v in layout.values()):
-        raise NotImplementedError(
-            f"recipe {recipe.name!r} asks for parallel layout {layout}; this trainer runs one process so far. "
-            f"Override with --set parallel.tp=1 ... or use a tiny recipe.")
-
-
-def build_optimizer(model: torch.nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
-    """AdamW; norms, biases and other 1-D parameters get no weight decay."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    t = recipe.train
-    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=tuple(t.betas))
+__all__ = ["train", "build_optimizer"]
 
 
 def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
     """Run `recipe` and return the per-step metrics (also written to `train.metrics_file`)."""
-    _check_single_process(recipe)
     t = recipe.train
     if recipe.model.vocab_size < BYTE_VOCAB and t.data == "builtin":
         raise ValueError(f"model.vocab_size={recipe.model.vocab_size}: the built-in byte data needs >= {BYTE_VOCAB}")
-    torch.manual_seed(t.seed)
-    model = MoETransformer(recipe.model)
-    optimizer = build_optimizer(model, recipe)
+    run = build_run(recipe, log)
+    say = log if run.is_main else (lambda s: None)
+    if run.ps.world_size > 1 and t.save_dir:
+        raise NotImplementedError("train.save_dir with more than one process: sharded checkpoints are not "
+                                  "wired into the parallel trainer yet")
     data = TokenBatches(stdlib_corpus(), t.seq_len, t.micro_batch_size, t.seed)
     size = model_size(recipe.model)
     flops_per_token = training_flops_per_token(recipe.model, t.seq_len)
-    log(f"recipe {recipe.name}: {size.total / 1e6:.2f}M parameters ({size.active / 1e6:.2f}M active), "
-        f"{t.steps} steps of {t.grad_accum}x{t.micro_batch_size}x{t.seq_len} tokens")
+    dp = run.data_rank[1]
+    say(f"recipe {recipe.name}: {size.total / 1e6:.2f}M parameters ({size.active / 1e6:.2f}M active), "
+        f"{t.steps} steps of {dp}x{t.grad_accum}x{t.micro_batch_size}x{t.seq_len} tokens "
+        f"on {run.ps.world_size} process(es)")
     start = 0
     if t.resume and latest_checkpoint(t.save_dir) is not None:
         folder = latest_checkpoint(t.save_dir)
-        start = load_checkpoint(folder, model, optimizer)
-        log(f"resumed from {folder} after step {start}")
-    metrics_file = open(Path(t.metrics_file), "a" if start else "w") if t.metrics_file else None
+        start = load_checkpoint(folder, run.model, run.optimizer)
+        say(f"resumed from {folder} after step {start}")
+    metrics_file = None
+    if t.metrics_file and run.is_main:
+        metrics_file = open(Path(t.metrics_file), "a" if start else "w")
     history = []
     try:
-        model.train()
+        run.model.train()
         for step in range(start, t.steps):
-            history.append(_train_step(model, optimizer, data, recipe, step, flops_per_token))
+            history.append(_train_step(run, data, step, flops_per_token))
             m = history[-1]
             if metrics_file:
                 metrics_file.write(json.dumps(m) + "\n")
                 metrics_file.flush()
             if step % t.log_every == 0 or step == t.steps - 1:
-                log(_format(m, t.steps))
+                say(_format(m, t.steps))
             done = step + 1
             if t.save_dir and ((t.save_every and done % t.save_every == 0) or done == t.steps):
-                log(f"saved {save_checkpoint(t.save_dir, done, model, optimizer, recipe)}")
+                say(f"saved {save_checkpoint(t.save_dir, done, run.model, run.optimizer, recipe)}")
     finally:
         if metrics_file:
             metrics_file.close()
     return history
 
 
-def _train_step(model, optimizer, data, recipe: Recipe, step: int, flops_per_token: float) -> dict:
-    t = recipe.train
-    start = time.perf_counter()
-    lr = t.lr_at(step)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    balancing.set_aux_loss_scale(1.0 / t.grad_accum)
+def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[dict[str, float], int]:
+    """Every micro-batch of this rank for `step`; returns mean losses and the token count."""
+    t = run.recipe.train
+    rank, dp = run.data_rank
+    batches = [data.batch(step, m * dp + rank) for m in range(t.grad_accum)]
+    if run.schedule is not None:
+        from moetron.pipeline.runtime import run_schedule
+
+        with run.ddp.no_sync():
+            result = run_schedule(run.schedule, run.stages, batches, group=run.ps.pp)
+        sums = {"loss": float(result.loss), "lm_loss": float(result.lm_loss)}
+        if result.mtp_loss is not None:
+            sums["mtp_loss"] = float(result.mtp_loss)
+        return sums, sum(int((y != -100).sum()) for _, y in batches)
+
     sums: dict[str, float] = {}
     tokens = 0
-    for micro in range(t.grad_accum):
-        inputs, labels = data.batch(step, micro)
-        out = model(inputs, labels=labels)
-        (out.total_loss / t.grad_accum).backward()
+    for m, (inputs, labels) in enumerate(batches):
+        last = m == len(batches) - 1
+        sync = contextlib.nullcontext() if run.ddp is None or last else run.ddp.no_sync()
+        with sync:
+            out = run.model(inputs, labels=labels)
+            (out.total_loss / t.grad_accum).backward()
         tokens += out.num_tokens
         parts = {"loss": out.total_loss, "lm_loss": out.loss, "mtp_loss": out.mtp_loss, **out.aux_losses}
         for name, value in parts.items():
             if value is not None:
                 sums[name] = sums.get(name, 0.0) + float(value.detach()) / t.grad_accum
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip))
+    return sums, tokens
+
+
+def _mean_over_replicas(run: TrainingRun, sums: dict[str, float], tokens: int) -> tuple[dict[str, float], int]:
+    if run.ps.dp.size == 1:
+        return sums, tokens
+    names = sorted(sums)
+    values = torch.tensor([sums[n] for n in names] + [float(tokens)], dtype=torch.float64)
+    dist.all_reduce(values, group=run.ps.dp.handle)
+    values[:-1] /= run.ps.dp.size
+    return dict(zip(names, values[:-1].tolist())), int(values[-1])
+
+
+def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token: float) -> dict:
+    t = run.recipe.train
+    start = time.perf_counter()
+    lr = t.lr_at(step)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    balancing.set_aux_loss_scale(1.0 / t.grad_accum)
+    if run.ddp is not None:
+        run.ddp.zero_grad()
+    sums, tokens = _forward_backward(run, data, step)
+    if run.ddp is not None:
+        run.ddp.finish_grad_sync()
+        grad_norm = float(run.optimizer.step())
+    else:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), t.grad_clip))
+        if math.isfinite(grad_norm):
+            run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"step {step}: gradient norm is {grad_norm}; lower train.lr or check the data")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    model.update_expert_bias()
+    run.model.update_expert_bias()
+    sums, tokens = _mean_over_replicas(run, sums, tokens)
     elapsed = time.perf_counter() - start
-    loads = [s["max_over_mean"] for s in model.load_stats().values() if s]
+    loads = [s["max_over_mean"] for s in run.model.load_stats().values() if s]
     metrics = {"step": step, **sums, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / elapsed,
                "tflops": flops_per_token * tokens / elapsed / 1e12,
                "max_over_mean_load": max(loads) if loads else None}
     if t.peak_tflops:
-        metrics["mfu"] = metrics["tflops"] / t.peak_tflops
+        metrics["mfu"] = metrics["tflops"] / (t.peak_tflops * run.ps.world_size)
     return metrics
 
 

@@ -1,0 +1,118 @@
+"""Build what a run needs from a recipe: process groups, the (parallel) model, optimizer, pipeline.
+
+One code path for every layout. The full model is built on every rank from the same seed,
+then sharded in place (tensor / expert parallel) and cut into pipeline stages, so every
+layout starts from exactly the weights of the single-process run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moetron.model.model import MoETransformer
+from moetron.parallel import ParallelState, init_from_env, validate_for_model
+from moetron.recipes.recipe import Recipe
+
+
+@dataclass
+class TrainingRun:
+    recipe: Recipe
+    ps: ParallelState
+    model: MoETransformer
+    optimizer: object  # torch.optim.AdamW (one process) or moetron's DistributedOptimizer
+    ddp: object | None = None  # DataParallel when world > 1
+    schedule: object | None = None  # PipelineSchedule when pp > 1
+    stages: list | None = None  # this rank's PipelineStageModules when pp > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.ps.rank == 0
+
+    @property
+    def data_rank(self) -> tuple[int, int]:
+        """(index, count) of this rank's data-parallel replica: ranks of one replica share data."""
+        return self.ps.dp.rank, self.ps.dp.size
+
+
+def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
+    """AdamW; norms, biases and other 1-D parameters get no weight decay."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    t = recipe.train
+    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=tuple(t.betas))
+
+
+def _check_layout(recipe: Recipe, ps: ParallelState) -> None:
+    c, p = recipe.model, recipe.parallel
+    if p.cp > 1:
+        raise NotImplementedError("parallel.cp > 1: context parallel is not wired into the trainer yet")
+    validate_for_model(p, num_attention_heads=c.num_attention_heads, num_kv_heads=c.num_kv_heads,
+                       num_experts=c.num_experts, moe_ffn_hidden_size=c.moe_intermediate_size,
+                       ffn_hidden_size=c.intermediate_size, num_layers=c.num_layers,
+                       seq_length=recipe.train.seq_len, custom_pipeline_layout=True)
+
+
+def _pipeline(recipe: Recipe, model: MoETransformer, ps: ParallelState, log):
+    from moetron.pipeline import build_schedule, parse_layout
+    from moetron.pipeline.runtime import sync_shared_parameters
+    from moetron.pipeline.stage import build_stage_modules, even_layout, parameter_key, shared_parameter_ranks
+
+    p, c = recipe.parallel, recipe.model
+    vpp = p.vpp if p.schedule == "interleaved" else None
+    schedule = build_schedule(p.schedule, pp=p.pp, microbatches=recipe.train.grad_accum, vpp=vpp)
+    text = p.layout or even_layout(c.num_layers, schedule.num_stages, c.num_mtp_layers)
+    layout = parse_layout(text, num_layers=c.num_layers, mtp_layers=c.num_mtp_layers, pp=p.pp,
+                          vpp=schedule.num_stages // p.pp)
+    if ps.rank == 0:
+        log(f"pipeline {p.schedule} over pp={p.pp}, layout {text!r}:\n{layout.table()}")
+    stages = build_stage_modules(model, layout, schedule, ps.pp.rank)
+    sync_shared_parameters(schedule, stages, group=ps.pp)
+    # Parameters held by several PP ranks (the embedding on the E, MTP and tied-head stages)
+    # count once in the global gradient norm: on their lowest holder.
+    holders = shared_parameter_ranks(layout, schedule, model.lm_head is None)
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            ranks = holders.get(parameter_key(name))
+            if ranks is not None and ps.pp.rank != min(ranks):
+                param.pipeline_duplicate = True
+    return schedule, stages
+
+
+def build_run(recipe: Recipe, log=print) -> TrainingRun:
+    """Initialise the process groups (from torchrun's environment) and build everything."""
+    t, p = recipe.train, recipe.parallel
+    one_process = not torch.distributed.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1
+    if one_process and any(getattr(p, k) != 1 for k in ("tp", "cp", "ep", "etp", "pp")):
+        raise ValueError(f"recipe {recipe.name!r} asks for a parallel layout (tp={p.tp} cp={p.cp} ep={p.ep} "
+                         f"etp={p.etp} pp={p.pp}) but runs in one process: launch it with "
+                         f"`torchrun --nproc-per-node N -m moetron train ...`, or override the layout "
+                         f"with --set parallel.ep=1 ...")
+    ps = init_from_env(p)
+    torch.manual_seed(t.seed)
+    model = MoETransformer(recipe.model)
+    if ps.world_size == 1:
+        return TrainingRun(recipe, ps, model, build_optimizer(model, recipe))
+
+    from moetron.optim import DistributedOptimizer
+    from moetron.parallel.data_parallel import DataParallel
+    from moetron.parallel.parallelize import expert_parallelize, tensor_parallelize
+
+    _check_layout(recipe, ps)
+    if ps.tp.size > 1:
+        tensor_parallelize(model, ps, moe_dispatcher=p.dispatcher, flex_backend=p.flex_backend)
+    else:
+        expert_parallelize(model, ps, p.dispatcher, flex_backend=p.flex_backend)
+    schedule = stages = None
+    trained: nn.Module = model
+    if ps.pp.size > 1:
+        schedule, stages = _pipeline(recipe, model, ps, log)
+        trained = nn.ModuleList(stages)
+    ddp = DataParallel(trained, ps, use_distributed_optimizer=True)
+    optimizer = DistributedOptimizer(ddp, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+                                     max_grad_norm=t.grad_clip)
+    return TrainingRun(recipe, ps, model, optimizer, ddp, schedule, stages)
