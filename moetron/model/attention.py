@@ -2,6 +2,12 @@
 
 Both take hidden states [B,S,H] and the rotary `(cos, sin)` and return [B,S,H];
 the attention core itself is `core_attention`, one seam for every backend.
+
+Context parallel (moetron/parallel/context_parallel.py): with `cp_group` set (by
+`context_parallelize`), S is this rank's two load-balanced chunks of the sequence and `rope`
+holds their global positions; the keys/values of the whole sequence are gathered over the CP
+group (for MLA the compressed latent and rotary key, decompressed here) and each local chunk
+attends to the prefix of the sequence that ends with it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from moetron.model.attention_core import core_attention
 from moetron.model.norm import RMSNorm
 from moetron.model.rope import yarn_softmax_scale
 from moetron.ops import apply_rope
+from moetron.parallel import context_parallel
+from moetron.parallel.state import Group
 
 
 def _linear(cfg: ModelConfig, n_in: int, n_out: int, bias: bool = False) -> nn.Linear:
@@ -26,6 +34,8 @@ def _linear(cfg: ModelConfig, n_in: int, n_out: int, bias: bool = False) -> nn.L
 
 class GroupedQueryAttention(nn.Module):
     """GQA with RMSNorm on each head of q and k before RoPE (Qwen3)."""
+
+    cp_group: Group | None = None  # context-parallel group (set by context_parallelize)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -52,13 +62,19 @@ class GroupedQueryAttention(nn.Module):
         v = v.view(B, S, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = core_attention(q, k, v, self.head_dim ** -0.5, self.cfg.attention_backend)
+        if self.cp_group is not None and self.cp_group.size > 1:
+            out = context_parallel.gqa_attention(q, k, v, self.head_dim ** -0.5, self.cfg.attention_backend,
+                                                 self.cp_group)
+        else:
+            out = core_attention(q, k, v, self.head_dim ** -0.5, self.cfg.attention_backend)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
 class MultiLatentAttention(nn.Module):
     """MLA: queries (optionally through a low-rank `q_lora_rank` bottleneck) and keys/values
     decompressed from a `kv_lora_rank` latent; one rotary key part shared by all heads."""
+
+    cp_group: Group | None = None  # context-parallel group (set by context_parallelize)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -98,14 +114,22 @@ class MultiLatentAttention(nn.Module):
         h = q.shape[1]
         q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
 
-        latent, k_rot = self.latent_kv(x_BSH)
-        kv = self.kv_b_proj(latent).view(B, S, h, -1).transpose(1, 2)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-
         cos, sin = rope
         q_rot = apply_rope(q_rot, cos, sin, interleaved)
+        latent, k_rot = self.latent_kv(x_BSH)
         k_rot = apply_rope(k_rot.view(B, 1, S, self.rope_dim), cos, sin, interleaved)
+        cp = self.cp_group is not None and self.cp_group.size > 1
+        if cp:  # the whole sequence's latent and rotated rotary key, in global order
+            latent, k_rot = context_parallel.gather_latent(latent, k_rot, self.cp_group)
+        S_kv = latent.shape[1]
+        kv = self.kv_b_proj(latent).view(B, S_kv, h, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+
         q = torch.cat((q_nope, q_rot), dim=-1)
-        k = torch.cat((k_nope, k_rot.expand(B, h, S, self.rope_dim)), dim=-1)
-        out = core_attention(q, k, v, self.softmax_scale, self.cfg.attention_backend)
+        k = torch.cat((k_nope, k_rot.expand(B, h, S_kv, self.rope_dim)), dim=-1)
+        if cp:
+            out = context_parallel.attend_local_chunks(q, k, v, self.softmax_scale, self.cfg.attention_backend,
+                                                       self.cp_group.size, self.cp_group.rank)
+        else:
+            out = core_attention(q, k, v, self.softmax_scale, self.cfg.attention_backend)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))

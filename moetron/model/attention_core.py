@@ -3,14 +3,20 @@
 Backends: `sdpa` (torch's scaled_dot_product_attention; flash kernels on GPU),
 `eager` (explicit matmuls, the readable reference), `flash_attn` and `te`
 (Transformer Engine), the last two GPU-only and used only when asked for.
-Shapes: q [B,h,S,dqk], k [B,h_kv,S,dqk], v [B,h_kv,S,dv]; dv may differ from dqk
-(MLA). Returns [B,h,S,dv].
+Shapes: q [B,h,Sq,dqk], k [B,h_kv,Sk,dqk], v [B,h_kv,Sk,dv]; dv may differ from dqk
+(MLA). Returns [B,h,Sq,dv].
+
+The causal mask is aligned to the bottom right: the queries are the last Sq positions of the
+Sk keys, so query i sees keys 0..Sk-Sq+i. With Sq == Sk (one process) that is the usual causal
+mask; Sq < Sk is how context parallel attends a local chunk of queries to the prefix of the
+gathered keys that ends with that chunk (moetron/parallel/context_parallel.py).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from moetron import backends
 
@@ -22,9 +28,9 @@ def _expand_kv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _eager(q, k, v, scale):
-    S = q.shape[-2]
+    Sq, Sk = q.shape[-2], k.shape[-2]
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
+    causal = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).triu(Sk - Sq + 1)
     probs = torch.softmax(scores.masked_fill(causal, float("-inf")).float(), dim=-1).to(q.dtype)
     return torch.matmul(probs, v)
 
@@ -35,6 +41,7 @@ def _flash_attn(q, k, v, scale):
     dqk, dv = q.shape[-1], v.shape[-1]
     if dv < dqk:  # flash-attn wants one head size: pad v, slice the output
         v = F.pad(v, (0, dqk - dv))
+    # flash-attn >= 2.1 aligns causal=True to the bottom right when Sq != Sk
     out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                           softmax_scale=scale, causal=True)
     return out.transpose(1, 2)[..., :dv]
@@ -48,10 +55,11 @@ def _te(q, k, v, scale):
 
     B, h, S, dqk = q.shape
     dv = v.shape[-1]
-    key = (h, k.shape[1], dqk, dv, scale)
+    mask_type = "causal" if k.shape[-2] == S else "causal_bottom_right"
+    key = (h, k.shape[1], dqk, dv, scale, mask_type)
     if key not in _te_modules:
         _te_modules[key] = te.DotProductAttention(h, (dqk, dv), num_gqa_groups=k.shape[1],
-                                                  attn_mask_type="causal", qkv_format="bshd",
+                                                  attn_mask_type=mask_type, qkv_format="bshd",
                                                   softmax_scale=scale)
     out = _te_modules[key](q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.view(B, S, h, dv).transpose(1, 2)
@@ -59,6 +67,10 @@ def _te(q, k, v, scale):
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    backend: str = "sdpa") -> torch.Tensor:
+    Sq, Sk = q.shape[-2], k.shape[-2]
+    if Sq > Sk:
+        raise ValueError(f"core_attention: {Sq} queries but only {Sk} keys; the queries must be the "
+                         f"last positions of the keys (bottom-right causal alignment)")
     if backend == "flash_attn":
         backends.require("flash_attn")
         return _flash_attn(q, k, v, scale)
@@ -68,4 +80,6 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
     if backend == "eager":
         return _eager(q, k, v, scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if Sq == Sk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Sq, Sk), scale=scale)

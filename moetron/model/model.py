@@ -107,14 +107,18 @@ class MoETransformer(nn.Module):
         out.aux_losses = self._collect_aux_losses()
         return out
 
+    def shift_labels(self, labels: torch.Tensor, k: int) -> torch.Tensor:
+        """`labels` moved k positions left along the sequence (context parallel overrides this)."""
+        return shift_left(labels, k, IGNORE_INDEX)
+
     def _mtp_loss(self, h, input_ids, labels, rope) -> torch.Tensor:
         """Mean over depths of each MTP module's cross-entropy on tokens depth+1 ahead."""
         losses = []
         for module in self.mtp:
             k = module.depth
-            future_ids = shift_left(labels, k - 1, IGNORE_INDEX).clamp_min(0)  # token t[i+k]
+            future_ids = self.shift_labels(labels, k - 1).clamp_min(0)  # token t[i+k]
             h, normed = module(h, self.embed_tokens(future_ids), rope)
-            loss, _ = self.lm_loss(self.head(normed), shift_left(labels, k, IGNORE_INDEX))
+            loss, _ = self.lm_loss(self.head(normed), self.shift_labels(labels, k))
             losses.append(loss)
         return torch.stack(losses).mean()
 

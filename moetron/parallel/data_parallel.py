@@ -40,10 +40,11 @@ raises). In all-reduce mode `clip_grad_norm_` gives the global norm over every g
 `DistributedOptimizer.step()` does that itself.
 
 Scaling: gradients are AVERAGED over the data-parallel replicas. Each bucket is multiplied by
-1 / ps.dp_cp.size before its sum-collective, for expert buckets too: an expert's local gradient
+1 / ps.dp.size before its sum-collective, for expert buckets too: an expert's local gradient
 already sums the losses of all EP ranks (the all-to-all backward brings them), so summing over
-EDP sums over every rank, and the mean over ranks needs 1 / dp_cp, not 1 / edp (Megatron-Core
-does the same). The objective is therefore the mean of the per-rank losses; with micro-batches,
+EDP sums over every rank, and the mean over replicas needs 1 / dp, not 1 / edp. Context-parallel
+ranks of one replica hold token shares of the replica's loss (`cp_reduce_loss`), so their
+gradients are summed, not averaged. The objective is therefore the mean of the replicas' losses; with micro-batches,
 divide each micro-batch loss by their number (as the trainer does), and the result is the mean
 over all micro-batches of all ranks, which is the full-batch mean loss when every micro-batch has
 the same number of tokens. `average=False` sums instead (for losses already normalised by the
@@ -203,7 +204,7 @@ class DataParallel:
     use_distributed_optimizer: reduce-scatter buckets (each rank keeps its shard, reduced) and
         keep parameters in buffers for `DistributedOptimizer`; otherwise all-reduce.
     grad_dtype: dtype of the gradient buffers (default: each parameter's own dtype).
-    average: divide by ps.dp_cp.size (mean over DP replicas; see the module doc) or just sum.
+    average: divide by ps.dp.size (mean over DP replicas; see the module doc) or just sum.
     overlap_grad_reduce: launch buckets during backward (False: all at finish_grad_sync).
     overlap_param_gather: after an optimizer step the all-gathers are only launched; each module
         waits for the buckets of its own parameters in a forward pre-hook, so a bucket's gather
@@ -230,7 +231,9 @@ class DataParallel:
         self.use_distributed_optimizer = use_distributed_optimizer
         self.average, self.overlap_grad_reduce = average, overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
-        self.grad_scale = 1.0 / ps.dp_cp.size if average else 1.0
+        # Mean over data-parallel replicas. Context-parallel ranks of one replica each hold their
+        # token share of the replica's loss (context_parallel.cp_reduce_loss), so they are summed.
+        self.grad_scale = 1.0 / ps.dp.size if average else 1.0
 
         owner = {}
         for sub in module.modules():

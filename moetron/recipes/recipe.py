@@ -28,6 +28,8 @@ def _coerce(text: str, current, path: str):
         if text.lower() in ("false", "0", "no"):
             return False
         raise ValueError(f"--set {path}={text}: expected true or false")
+    if isinstance(current, str):  # "none" is a valid string value (aux_loss_type=none); null unsets
+        return None if text.lower() == "null" else text
     if text.lower() in ("none", "null"):
         return None
     if current is None:  # unset optional field: a JSON value if it parses, else the text itself

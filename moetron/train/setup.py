@@ -49,8 +49,9 @@ def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
 
 def _check_layout(recipe: Recipe, ps: ParallelState) -> None:
     c, p = recipe.model, recipe.parallel
-    if p.cp > 1:
-        raise NotImplementedError("parallel.cp > 1: context parallel is not wired into the trainer yet")
+    if p.cp > 1 and p.pp > 1:
+        raise NotImplementedError("parallel.cp > 1 with parallel.pp > 1: pipeline stages do not pass "
+                                  "context-parallel positions yet; use cp with tp/ep/dp")
     validate_for_model(p, num_attention_heads=c.num_attention_heads, num_kv_heads=c.num_kv_heads,
                        num_experts=c.num_experts, moe_ffn_hidden_size=c.moe_intermediate_size,
                        ffn_hidden_size=c.intermediate_size, num_layers=c.num_layers,
@@ -107,6 +108,10 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
         tensor_parallelize(model, ps, moe_dispatcher=p.dispatcher, flex_backend=p.flex_backend)
     else:
         expert_parallelize(model, ps, p.dispatcher, flex_backend=p.flex_backend)
+    if ps.cp.size > 1:  # after tensor_parallelize, which replaces the model's class
+        from moetron.parallel.context_parallel import context_parallelize
+
+        context_parallelize(model, ps)
     schedule = stages = None
     trained: nn.Module = model
     if ps.pp.size > 1:

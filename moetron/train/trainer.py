@@ -93,7 +93,12 @@ def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[
         last = m == len(batches) - 1
         sync = contextlib.nullcontext() if run.ddp is None or last else run.ddp.no_sync()
         with sync:
-            out = run.model(inputs, labels=labels)
+            if run.ps.cp.size > 1:  # this rank's load-balanced chunks of the sequences
+                from moetron.parallel.context_parallel import split_batch
+
+                out = run.model(**split_batch(run.ps.cp, inputs, labels=labels))
+            else:
+                out = run.model(inputs, labels=labels)
             (out.total_loss / t.grad_accum).backward()
         tokens += out.num_tokens
         parts = {"loss": out.total_loss, "lm_loss": out.loss, "mtp_loss": out.mtp_loss, **out.aux_losses}
@@ -119,7 +124,8 @@ def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token
     lr = t.lr_at(step)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    balancing.set_aux_loss_scale(1.0 / t.grad_accum)
+    # Each context-parallel rank routes its share of the tokens: its aux losses count 1/cp.
+    balancing.set_aux_loss_scale(1.0 / (t.grad_accum * run.ps.cp.size))
     if run.ddp is not None:
         run.ddp.zero_grad()
     sums, tokens = _forward_backward(run, data, step)
