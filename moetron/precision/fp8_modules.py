@@ -1,0 +1,282 @@
+"""FP8 modules and `apply_fp8`: run a model's projections and routed experts in FP8.
+
+    model = MoETransformer(cfg)                    # after any parallelization that rebuilds modules
+    apply_fp8(model, "blockwise")                  # or tensorwise / delayed / an FP8Recipe
+    out = model(input_ids, labels=labels)          # same parameters, same names, FP8 GEMMs
+
+`apply_fp8` swaps modules IN PLACE by changing their class (the `tensor_parallelize` idiom), so
+every parameter stays the same object under the same name: optimizers, DataParallel buffers,
+checkpoints and the Hugging Face bridge see no difference. What changes:
+
+- every plain `nn.Linear` -> `FP8Linear` (attention projections, dense MLPs, shared experts, the
+  MTP projection), except the output head (`lm_head`), the shared-expert gate and anything
+  matched by `exclude`;
+- every `GroupedExperts` -> `FP8GroupedExperts` (FP8 through the grouped-GEMM seam), and the
+  MoE layer's dispatcher pads each expert's rows to `recipe.grouped_pad_multiple` (16: what FP8
+  grouped GEMMs need; zero rows change no result);
+- the router, embedding, output head, norms and attention core stay in high precision
+  (REFERENCE §5), as do master weights and gradients (parameters keep their dtype).
+
+Delayed scaling keeps an amax history per module in a NON-persistent buffer `fp8_amax_history`
+`[3 (input, weight, grad_output), L, G]` (G = 1, or the local experts), so `state_dict()` keys do
+not change; `fp8_state_dict` / `load_fp8_state_dict` save and restore the histories for an exact
+resume. Histories are per rank (amaxes are not reduced over data-parallel replicas).
+
+Call `apply_fp8` after `tensor_parallelize` / building MoE layers with a ParallelState (those
+rebuild experts) and before `DataParallel`. Tensor-parallel linear layers are not supported yet
+(clear error). Delayed scaling is not recompute-safe: a recomputed forward would update the
+history a second time (tensorwise and blockwise are stateless and safe).
+
+Backend "te" (Transformer Engine, CUDA) runs `te.Linear` / `te.GroupedLinear` under TE's autocast
+with the translated recipe, sharing this module's parameters; TE then keeps its own scaling state
+(our history is unused) and its own numerics.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from moetron.moe.experts import GroupedExperts
+from moetron.moe.layer import MoELayer
+from moetron.ops import swiglu
+from moetron.precision.fp8 import (ROLES, FP8Recipe, fp8_grouped_linear, fp8_linear, get_fp8_recipe,
+                                   module_backend)
+
+HISTORY = "fp8_amax_history"
+
+
+def _init_fp8(module: nn.Module, recipe: FP8Recipe, groups: int, device: torch.device) -> None:
+    module.fp8_recipe = recipe
+    module.fp8_backend = module_backend(recipe)
+    length = recipe.amax_history_len if recipe.scaling == "delayed" else 0
+    module.register_buffer(HISTORY, torch.zeros(len(ROLES), length, groups, device=device), persistent=False)
+    object.__setattr__(module, "_te_module", None)  # built on first use, outside the module tree
+
+
+def _history(module: nn.Module) -> torch.Tensor | None:
+    return getattr(module, HISTORY) if module.fp8_recipe.scaling == "delayed" else None
+
+
+def _gemm_backend(module: nn.Module, x: torch.Tensor) -> str:
+    """'te' (run the Transformer Engine module) for CUDA inputs when TE was chosen; otherwise the
+    GEMM backend. A CPU input of a module that auto-selected TE uses the auto GEMMs."""
+    if module.fp8_backend != "te":
+        return module.fp8_backend
+    if x.is_cuda:
+        return "te"
+    if module.fp8_recipe.backend == "te":
+        raise RuntimeError(f"FP8 backend 'te' (Transformer Engine) runs on CUDA tensors only; got {x.device}")
+    return "auto"
+
+
+class FP8Linear(nn.Linear):
+    """`nn.Linear` whose three GEMMs (forward, input grad, weight grad) run in FP8."""
+
+    fp8_recipe: FP8Recipe
+    fp8_backend: str
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: FP8Recipe | str) -> FP8Linear:
+        """Convert `linear` in place (same parameters) and return it."""
+        if type(linear) is not nn.Linear:
+            raise TypeError(f"FP8Linear.from_linear expects a plain nn.Linear, got {type(linear).__name__}")
+        linear.__class__ = cls
+        _init_fp8(linear, get_fp8_recipe(recipe), 1, linear.weight.device)
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        backend = _gemm_backend(self, x)
+        if backend == "te":
+            return _te_linear_forward(self, x)
+        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, _history(self), backend)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8={self.fp8_recipe.scaling}/{self.fp8_recipe.fp8_format}"
+
+
+class FP8GroupedExperts(GroupedExperts):
+    """GroupedExperts whose grouped GEMMs run in FP8 (per-expert scales or blockwise tiles).
+
+    Still a GroupedExperts, so DataParallel treats its parameters as expert parameters, and
+    sharding helpers (`load_full_experts`, `full_expert_weights`) work unchanged."""
+
+    fp8_recipe: FP8Recipe
+    fp8_backend: str
+
+    @classmethod
+    def from_experts(cls, experts: GroupedExperts, recipe: FP8Recipe | str) -> FP8GroupedExperts:
+        """Convert `experts` in place (same parameters) and return it."""
+        if type(experts) is not GroupedExperts:
+            raise TypeError(f"FP8GroupedExperts.from_experts expects GroupedExperts, got {type(experts).__name__}")
+        experts.__class__ = cls
+        # delayed scaling: columns [0, E) for gate_up, [E, 2E) for down
+        _init_fp8(experts, get_fp8_recipe(recipe), 2 * experts.num_local_experts, experts.gate_up_proj.device)
+        return experts
+
+    def extra_repr(self) -> str:
+        return (f"local_experts={self.num_local_experts}, ffn={self.local_ffn_size}, "
+                f"fp8={self.fp8_recipe.scaling}/{self.fp8_recipe.fp8_format}")
+
+    def _linear(self, x_NH, weight, rows_per_expert, which: int, backend: str) -> torch.Tensor:
+        history = _history(self)
+        if history is not None:  # gate_up and down keep separate histories (halves of the G axis)
+            history = history.narrow(2, which * self.num_local_experts, self.num_local_experts)
+        return fp8_grouped_linear(x_NH, weight, rows_per_expert, self.fp8_recipe, history, backend, self.backend)
+
+    def forward(self, x_NH: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
+        backend = _gemm_backend(self, x_NH)
+        if backend == "te":
+            return _te_experts_forward(self, x_NH, rows_per_expert)
+        gate_up = self._linear(x_NH, self.gate_up_proj, rows_per_expert, 0, backend)
+        gate, up = gate_up.split(self.local_ffn_size, dim=-1)
+        return self._linear(swiglu(gate, up), self.down_proj, rows_per_expert, 1, backend)
+
+
+# ---- apply_fp8 -------------------------------------------------------------------------------
+
+
+def _high_precision_linears(model: nn.Module) -> set[int]:
+    """ids of the Linear modules that stay high precision by rule: output heads, MoE gates."""
+    keep = set()
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in ("lm_head", "output_layer"):
+            keep.add(id(module))
+        if isinstance(module, MoELayer) and module.shared_expert_gate is not None:
+            keep.add(id(module.shared_expert_gate))
+    return keep
+
+
+def apply_fp8(model: nn.Module, recipe: FP8Recipe | str, *, exclude: Iterable[str] = ()) -> nn.Module:
+    """Make `model`'s projections and routed experts FP8, in place; returns `model`.
+
+    `recipe`: an FP8Recipe or a name ("tensorwise", "delayed", "blockwise"). `exclude`: fnmatch
+    patterns of module names (as in `named_modules()`) to keep in high precision.
+    """
+    from moetron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    recipe = get_fp8_recipe(recipe)
+    module_backend(recipe)  # a named backend that cannot run here fails now, not at the first step
+    patterns = list(exclude)
+    keep = _high_precision_linears(model)
+    targets = []
+    for name, module in model.named_modules():
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns) or id(module) in keep:
+            continue
+        if isinstance(module, (FP8Linear, FP8GroupedExperts)):
+            raise ValueError(f"module {name!r} is already FP8; apply_fp8 runs once per model")
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            raise NotImplementedError(f"module {name!r} is a tensor-parallel {type(module).__name__}: FP8 with "
+                                      f"tensor parallelism is not supported yet (exclude it to keep it in "
+                                      f"high precision)")
+        if type(module) is nn.Linear or type(module) is GroupedExperts:
+            targets.append(module)
+    for module in targets:
+        if isinstance(module, GroupedExperts):
+            FP8GroupedExperts.from_experts(module, recipe)
+        else:
+            FP8Linear.from_linear(module, recipe)
+    for module in model.modules():  # FP8 grouped GEMMs want each expert's rows padded
+        if isinstance(module, MoELayer) and isinstance(module.experts, FP8GroupedExperts):
+            dispatcher = module.dispatcher
+            if hasattr(dispatcher, "pad_multiple"):
+                dispatcher.pad_multiple = math.lcm(dispatcher.pad_multiple, recipe.grouped_pad_multiple)
+    return model
+
+
+def fp8_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The FP8 modules of `model` by name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, (FP8Linear, FP8GroupedExperts))}
+
+
+def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Delayed-scaling amax histories by `<module>.fp8_amax_history` (empty for stateless recipes)."""
+    return {f"{n}.{HISTORY}": getattr(m, HISTORY).detach().clone() for n, m in fp8_modules(model).items()
+            if m.fp8_recipe.scaling == "delayed"}
+
+
+@torch.no_grad()
+def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Restore what `fp8_state_dict` saved; every key must match a history of the same shape."""
+    mine = {f"{n}.{HISTORY}": getattr(m, HISTORY) for n, m in fp8_modules(model).items()
+            if m.fp8_recipe.scaling == "delayed"}
+    if set(state) != set(mine):
+        raise ValueError(f"FP8 state keys differ: missing {sorted(set(mine) - set(state))}, "
+                         f"unexpected {sorted(set(state) - set(mine))}")
+    for key, t in state.items():
+        if t.shape != mine[key].shape:
+            raise ValueError(f"FP8 state {key}: shape {tuple(t.shape)} != {tuple(mine[key].shape)} "
+                             f"(different amax_history_len or number of local experts?)")
+        mine[key].copy_(t)
+
+
+# ---- Transformer Engine (CUDA, transformer_engine installed) ---------------------------------
+
+
+def te_recipe(recipe: FP8Recipe):
+    """The Transformer Engine recipe object for `recipe`."""
+    from transformer_engine.common import recipe as te_r
+
+    fmt = te_r.Format.HYBRID if recipe.fp8_format == "hybrid" else te_r.Format.E4M3
+    if recipe.scaling == "delayed":
+        return te_r.DelayedScaling(margin=recipe.margin, fp8_format=fmt, amax_history_len=recipe.amax_history_len,
+                                   amax_compute_algo=recipe.amax_compute_algo)
+    if recipe.scaling == "tensorwise":
+        return te_r.Float8CurrentScaling(fp8_format=fmt)
+    return te_r.Float8BlockScaling(fp8_format=fmt)
+
+
+def _te_autocast(recipe: FP8Recipe):
+    import transformer_engine.pytorch as te
+
+    if hasattr(te, "autocast"):  # TE >= 2.8
+        return te.autocast(enabled=True, recipe=te_recipe(recipe))
+    return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe(recipe))
+
+
+def _te_linear_forward(module: FP8Linear, x: torch.Tensor) -> torch.Tensor:
+    import transformer_engine.pytorch as te
+
+    if module._te_module is None:
+        tl = te.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                       params_dtype=module.weight.dtype, device=module.weight.device)
+        object.__setattr__(module, "_te_module", tl)
+    tl = module._te_module
+    tl.train(module.training)
+    tl._parameters["weight"] = module.weight  # share our parameters (same objects, our names)
+    if module.bias is not None:
+        tl._parameters["bias"] = module.bias
+    with _te_autocast(module.fp8_recipe):
+        return tl(x)
+
+
+def _te_experts_forward(module: FP8GroupedExperts, x_NH: torch.Tensor, rows_per_expert: torch.Tensor
+                        ) -> torch.Tensor:
+    import transformer_engine.pytorch as te
+
+    E, F, H = module.num_local_experts, module.local_ffn_size, module.gate_up_proj.shape[-1]
+    if module._te_module is None:
+        kw = dict(bias=False, params_dtype=module.gate_up_proj.dtype, device=module.gate_up_proj.device)
+        object.__setattr__(module, "_te_module", (te.GroupedLinear(E, H, 2 * F, **kw), te.GroupedLinear(E, F, H, **kw)))
+    splits = rows_per_expert.tolist()
+    for tg in module._te_module:
+        tg.train(module.training)
+    outs = x_NH
+    with _te_autocast(module.fp8_recipe):
+        for tg, weight, act in zip(module._te_module, (module.gate_up_proj, module.down_proj), (True, False)):
+            for e in range(E):  # our [E,O,I] parameter's slices stand in for TE's weight{e}
+                tg._parameters.pop(f"weight{e}", None)
+                object.__setattr__(tg, f"weight{e}", weight[e])
+            outs = tg(outs, splits)
+            if act:
+                gate, up = outs.split(F, dim=-1)
+                outs = swiglu(gate, up)
+    return outs
+
+
+__all__ = ["FP8Linear", "FP8GroupedExperts", "apply_fp8", "fp8_modules", "fp8_state_dict", "load_fp8_state_dict",
+           "te_recipe"]
