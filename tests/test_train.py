@@ -124,3 +124,14 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
     (tmp_path / "meta.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="model.safetensors is missing"):
         load_checkpoint(tmp_path, model, build_optimizer(model, recipe))
+
+
+def test_fp8_training_tracks_fp32_first_steps():
+    base = SMALL + ["train.steps=3", "train.warmup_steps=1"]
+    ref = train(apply_overrides(get_recipe("qwen3-moe-tiny"), base), log=lambda s: None)
+    fp8 = train(apply_overrides(get_recipe("qwen3-moe-tiny"), base + ["train.fp8=blockwise"]), log=lambda s: None)
+    for a, b in zip(ref, fp8):
+        assert a["loss"] != b["loss"]  # FP8 really ran
+        assert abs(a["loss"] - b["loss"]) / a["loss"] < 0.02
+    with pytest.raises(ValueError, match="train.fp8|fp8"):
+        apply_overrides(get_recipe("qwen3-moe-tiny"), ["train.fp8=fp4"])

@@ -25,6 +25,9 @@ class TrainConfig:
     save_dir: str | None = None  # checkpoints go to SAVE_DIR/step-NNNNNNNN/
     save_every: int = 0  # steps between checkpoints; 0 saves only at the end (when save_dir is set)
     resume: bool = False  # continue from SAVE_DIR/latest when it exists
+    init_hf: str | None = None  # start from this Hugging Face folder's weights (unless resuming)
+    fp8: str | None = None  # FP8 recipe for linear layers and experts: tensorwise, delayed, blockwise
+    fp8_backend: str = "auto"  # auto, emulate, torch (torch._scaled_mm), te (Transformer Engine)
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "micro_batch_size", "grad_accum", "log_every"):
@@ -40,6 +43,8 @@ class TrainConfig:
             raise ValueError("TrainConfig.resume=true needs train.save_dir")
         if self.warmup_steps < 0:
             raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.fp8 is not None and self.fp8 not in ("tensorwise", "delayed", "blockwise"):
+            raise ValueError(f"TrainConfig.fp8={self.fp8!r}: choose tensorwise, delayed or blockwise (or null)")
         if self.data != "builtin":
             raise ValueError(f"TrainConfig.data={self.data!r}: only 'builtin' is available so far")
 

@@ -84,6 +84,13 @@ def _pipeline(recipe: Recipe, model: MoETransformer, ps: ParallelState, log):
     return schedule, stages
 
 
+def _apply_fp8(model: MoETransformer, t) -> None:
+    if t.fp8:
+        from moetron.precision import apply_fp8, get_fp8_recipe
+
+        apply_fp8(model, get_fp8_recipe(t.fp8, backend=t.fp8_backend))
+
+
 def build_run(recipe: Recipe, log=print) -> TrainingRun:
     """Initialise the process groups (from torchrun's environment) and build everything."""
     t, p = recipe.train, recipe.parallel
@@ -93,10 +100,14 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
                          f"etp={p.etp} pp={p.pp}) but runs in one process: launch it with "
                          f"`torchrun --nproc-per-node N -m moetron train ...`, or override the layout "
                          f"with --set parallel.ep=1 ...")
+    if t.fp8 and p.tp > 1:
+        raise NotImplementedError("train.fp8 with parallel.tp > 1: tensor-parallel FP8 linear layers are not "
+                                  "supported yet")
     ps = init_from_env(p)
     torch.manual_seed(t.seed)
     model = MoETransformer(recipe.model)
     if ps.world_size == 1:
+        _apply_fp8(model, t)
         return TrainingRun(recipe, ps, model, build_optimizer(model, recipe))
 
     from moetron.optim import DistributedOptimizer
@@ -112,6 +123,7 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
         from moetron.parallel.context_parallel import context_parallelize
 
         context_parallelize(model, ps)
+    _apply_fp8(model, t)
     schedule = stages = None
     trained: nn.Module = model
     if ps.pp.size > 1:
