@@ -57,6 +57,57 @@ def _cmd_env(args) -> int:
     return 0
 
 
+def _cmd_data(args) -> int:
+    """`moetron data prepare ...` and `moetron data info FOLDER`."""
+    try:
+        if args.data_command == "info":
+            from moetron.data.packed import PreparedCorpus
+
+            c = PreparedCorpus(args.folder)
+            m = c.meta
+            print(f"{c.path}: {c.num_documents:,} documents, {c.num_tokens:,} tokens ({m['dtype']}), vocabulary "
+                  f"{c.vocab_size:,}, separator {m['separator']!r} = {c.separator_id}, "
+                  f"{len(m.get('sources', []))} source file(s), prepared {m.get('created', '?')}")
+            return 0
+        from moetron.data.prepare import prepare
+
+        summary = prepare(args.inputs, args.tokenizer, args.output, text_key=args.text_key, text_mode=args.text_mode,
+                          input_fmt=args.format, separator=args.separator, overwrite=args.overwrite,
+                          errors=args.errors, batch_docs=args.batch_docs)
+        print(summary.format())
+        return 0
+    except (ImportError, OSError, ValueError) as exc:
+        print(f"moetron data {args.data_command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _add_data_parser(sub) -> None:
+    p_data = sub.add_parser("data", help="prepare real training data (tokenize text/JSONL into a packed token file)")
+    data_sub = p_data.add_subparsers(dest="data_command", required=True)
+    p_prep = data_sub.add_parser(
+        "prepare", help="tokenize text / JSONL files with a Hugging Face tokenizer.json into a prepared folder",
+        description="Tokenize text and JSONL files (optionally .gz; folders are searched recursively) into "
+                    "FOLDER/tokens.bin + doc_index.bin + meta.json, streaming, written atomically. "
+                    "Train on it with --set train.data=FOLDER.")
+    p_prep.add_argument("inputs", nargs="+", metavar="INPUT", help="files or folders (.jsonl/.ndjson/.json = JSONL)")
+    p_prep.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer.json (or a folder holding one)")
+    p_prep.add_argument("--output", "-o", required=True, help="the folder to create")
+    p_prep.add_argument("--text-key", default="text", help="JSONL field holding the text (default: text)")
+    p_prep.add_argument("--text-mode", choices=["file", "line", "paragraph"], default="file",
+                        help="what a document is in a text file: the whole file (default), each line, "
+                             "or each blank-line-separated paragraph")
+    p_prep.add_argument("--format", choices=["auto", "text", "jsonl"], default="auto",
+                        help="input format (default: by file suffix)")
+    p_prep.add_argument("--separator", help="end-of-document token (default: the tokenizer's <|endoftext|>, </s>, ...)")
+    p_prep.add_argument("--errors", choices=["strict", "replace"], default="strict",
+                        help="invalid UTF-8: fail naming file and line (default), or replace with U+FFFD")
+    p_prep.add_argument("--batch-docs", type=int, default=1024, help="documents tokenized per batch (default 1024)")
+    p_prep.add_argument("--overwrite", action="store_true", help="replace an existing prepared folder")
+    p_info = data_sub.add_parser("info", help="summarize a prepared folder")
+    p_info.add_argument("folder")
+    p_data.set_defaults(func=_cmd_data)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moetron", description="Train Mixture-of-Experts language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p_train.set_defaults(func=_cmd_train)
     sub.add_parser("recipes", help="list recipes with sizes and default layouts").set_defaults(func=_cmd_recipes)
     sub.add_parser("env", help="show which backends are available and why not").set_defaults(func=_cmd_env)
+    _add_data_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,246 @@
+"""What a person watching a run sees: a progress bar on a terminal, log lines, TensorBoard.
+
+`ProgressBar` draws one self-overwriting line on a terminal (only when its stream is a TTY;
+otherwise it draws nothing and the caller's plain log lines are the whole output, which is
+what a log file or CI wants). `MetricsLogger` is what the trainer calls once per step with
+the step's metrics dict: it writes the JSON-lines metrics file, TensorBoard scalars (when
+`tensorboard_dir` is set), prints a log line every `log_every` steps above the bar, and
+advances the bar; `write(line)` prints any other message without tearing the bar.
+
+TensorBoard goes through `torch.utils.tensorboard`, which needs the optional `tensorboard`
+package (`pip install tensorboard`); asking for it without the package fails at once with a
+message that says so, never silently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable, TextIO
+
+__all__ = ["ProgressBar", "MetricsLogger", "format_metrics", "format_duration", "require_tensorboard",
+           "scalar_items"]
+
+
+def format_duration(seconds: float) -> str:
+    """`75 -> '1m15s'`, `4000 -> '1h06m'`: short, for ETAs."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return bool(stream.isatty()) and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class ProgressBar:
+    """`[#####.....]  42%  420/1000 steps  3.1 steps/s  ETA 3m05s  loss 2.34` on one line.
+
+    Draws only when `stream` is a TTY (or `enabled=True` forces it); redraws at most every
+    `min_interval` seconds except on the final update. `write(line)` prints a line above the
+    bar without tearing it.
+    """
+
+    def __init__(self, total: float, *, initial: float = 0, unit: str = "steps", stream: TextIO | None = None,
+                 enabled: bool | None = None, min_interval: float = 0.1, width: int | None = None,
+                 scale: float = 1.0):
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = _is_tty(self.stream) if enabled is None else enabled
+        self.total, self.n, self.unit = total, initial, unit
+        self.width, self.min_interval = width, min_interval
+        self.scale = scale  # counts are shown divided by it (e.g. bytes as MB with unit="MB", scale=1e6)
+        self.postfix = ""
+        self._start_n, self._start_t = initial, time.perf_counter()
+        self._last_draw = -math.inf
+        self._drawn = False
+
+    def update(self, n: float | None = None, *, advance: float | None = None, postfix: str | None = None) -> None:
+        """Set the position to `n` (or move it by `advance`) and redraw if due."""
+        if n is not None:
+            self.n = n
+        if advance is not None:
+            self.n += advance
+        if postfix is not None:
+            self.postfix = postfix
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if now - self._last_draw >= self.min_interval or self.n >= self.total:
+            self._draw(now)
+
+    def render(self, now: float | None = None) -> str:
+        """The bar's text (no control characters), fitted to the terminal width."""
+        now = time.perf_counter() if now is None else now
+        elapsed = now - self._start_t
+        done = self.n - self._start_n
+        rate = done / elapsed / self.scale if elapsed > 0 and done > 0 else 0.0
+        frac = min(1.0, self.n / self.total) if self.total > 0 else 1.0
+        eta = (self.total - self.n) / self.scale / rate if rate > 0 else math.inf
+        rate_text = f"{rate:.2f}" if rate < 10 else f"{rate:.0f}"
+        stats = (f"{frac * 100:3.0f}%  {self._count(self.n)}/{self._count(self.total)} {self.unit}  "
+                 f"{rate_text} {self.unit}/s  "
+                 + (f"ETA {format_duration(eta)}" if self.n < self.total else f"in {format_duration(elapsed)}"))
+        if self.postfix:
+            stats += f"  {self.postfix}"
+        columns = self.width or shutil.get_terminal_size((100, 20)).columns
+        bar_len = max(10, min(40, columns - len(stats) - 4))
+        filled = int(frac * bar_len)
+        line = f"[{'#' * filled}{'.' * (bar_len - filled)}] {stats}"
+        return line[: max(columns - 1, 20)]
+
+    def _count(self, x: float) -> str:
+        return f"{x:.0f}" if self.scale == 1 else f"{x / self.scale:.1f}"
+
+    def _draw(self, now: float) -> None:
+        self.stream.write("\r\x1b[2K" + self.render(now))
+        self.stream.flush()
+        self._last_draw, self._drawn = now, True
+
+    def clear(self) -> None:
+        if self.enabled and self._drawn:
+            self.stream.write("\r\x1b[2K")
+            self.stream.flush()
+            self._drawn = False
+
+    def write(self, line: str, log: Callable[[str], None] | None = None) -> None:
+        """Print `line` (through `log`, default: to the bar's stream) above the bar."""
+        self.clear()
+        if log is None:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+        else:
+            log(line)
+        if self.enabled:
+            self._draw(time.perf_counter())
+
+    def close(self) -> None:
+        """Leave the final bar on its own line."""
+        if self.enabled and self._drawn:
+            self._draw(time.perf_counter())
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = False
+
+
+def format_metrics(m: dict, steps: int) -> str:
+    """One log line for a step's metrics (`step` counts from 0; printed from 1)."""
+    parts = [f"step {m['step'] + 1:>4}/{steps}", f"loss {m['loss']:.4f}", f"lm {m['lm_loss']:.4f}"]
+    if m.get("mtp_loss") is not None:
+        parts.append(f"mtp {m['mtp_loss']:.4f}")
+    parts += [f"gnorm {m['grad_norm']:.2f}", f"lr {m['lr']:.2e}", f"{m['tokens_per_s']:.0f} tok/s"]
+    if m.get("mfu") is not None:
+        parts.append(f"mfu {m['mfu'] * 100:.1f}%")
+    if m.get("max_over_mean_load"):
+        parts.append(f"load max/mean {m['max_over_mean_load']:.2f}")
+    return " | ".join(parts)
+
+
+def scalar_items(metrics: dict, prefix: str = ""):
+    """`(tag, float)` pairs of every finite-or-not number in `metrics`, nested dicts as `a/b`.
+
+    `None`, strings, booleans and lists are skipped; `step` is the x-axis, not a scalar.
+    """
+    for key, value in metrics.items():
+        tag = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from scalar_items(value, tag + "/")
+        elif isinstance(value, bool) or value is None:
+            continue
+        elif isinstance(value, (int, float)) and not (prefix == "" and key == "step"):
+            yield tag, float(value)
+        elif hasattr(value, "numel") and value.numel() == 1:  # a 0-d tensor
+            yield tag, float(value)
+
+
+def require_tensorboard():
+    """`torch.utils.tensorboard.SummaryWriter`, or an ImportError that names the package to install."""
+    try:
+        import tensorboard  # noqa: F401  (torch.utils.tensorboard's own message is vaguer)
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ImportError("train.tensorboard_dir needs the 'tensorboard' package, which is not installed: "
+                          "pip install tensorboard (or pip install 'moetron[tensorboard]'), "
+                          f"or leave train.tensorboard_dir unset ({exc})") from exc
+    return SummaryWriter
+
+
+class MetricsLogger:
+    """Per-step metrics out of the trainer: log lines, progress bar, JSON lines, TensorBoard.
+
+    Construct it on every rank with `enabled=is_main` (disabled loggers do nothing, so the
+    trainer needs no rank checks), call `log_step(metrics)` once per step, and `close()` (or
+    use it as a context manager). With `start_step > 0` (a resumed run) the metrics file is
+    appended to, not truncated. Errors about the metrics file or TensorBoard are raised by the
+    constructor, before any training time is spent.
+    """
+
+    def __init__(self, total_steps: int, *, start_step: int = 0, log_every: int = 1,
+                 metrics_file: str | os.PathLike | None = None, tensorboard_dir: str | os.PathLike | None = None,
+                 log: Callable[[str], None] = print, enabled: bool = True, progress: bool | None = None,
+                 stream: TextIO | None = None,
+                 format: Callable[[dict, int], str] = format_metrics):
+        if log_every < 1:
+            raise ValueError(f"log_every={log_every} must be >= 1")
+        self.total_steps, self.log_every, self.enabled = total_steps, log_every, enabled
+        self.log, self.format = log, format
+        self._file = self._writer = None
+        self.bar = ProgressBar(total_steps, initial=start_step, unit="steps", stream=stream,
+                               enabled=False if not enabled else progress)
+        if not enabled:
+            return
+        if tensorboard_dir:
+            SummaryWriter = require_tensorboard()
+            self._writer = SummaryWriter(log_dir=str(tensorboard_dir), purge_step=start_step or None)
+        if metrics_file:
+            path = Path(metrics_file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a" if start_step else "w")
+
+    def log_step(self, metrics: dict) -> None:
+        """Record one step's metrics (a dict with at least `step`, as the trainer makes)."""
+        if not self.enabled:
+            return
+        step = int(metrics["step"])
+        if self._file is not None:
+            self._file.write(json.dumps(metrics) + "\n")
+            self._file.flush()
+        if self._writer is not None:
+            for tag, value in scalar_items(metrics):
+                self._writer.add_scalar(tag, value, global_step=step)
+        if step % self.log_every == 0 or step == self.total_steps - 1:
+            self.bar.write(self.format(metrics, self.total_steps), log=self.log)
+        loss = metrics.get("loss")
+        self.bar.update(step + 1, postfix=f"loss {loss:.4f}" if isinstance(loss, (int, float)) else None)
+
+    def write(self, line: str) -> None:
+        """Any other message (a checkpoint saved, a warning): printed above the bar, on the main rank only."""
+        if self.enabled:
+            self.bar.write(line, log=self.log)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self.bar.close()
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

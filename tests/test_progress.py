@@ -1,0 +1,152 @@
+"""The progress bar, the per-step MetricsLogger and its TensorBoard output."""
+
+import io
+import json
+import random
+import sys
+
+import pytest
+
+from moetron.train.progress import (MetricsLogger, ProgressBar, format_duration, format_metrics, require_tensorboard,
+                                    scalar_items)
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def _metrics(rng: random.Random, step: int) -> dict:
+    return {"step": step, "loss": rng.uniform(1, 5), "lm_loss": rng.uniform(1, 5), "mtp_loss": rng.uniform(1, 5),
+            "seq_aux_loss": rng.uniform(0, 0.1), "grad_norm": rng.uniform(0, 3), "lr": rng.uniform(1e-5, 1e-3),
+            "tokens_per_s": rng.uniform(100, 1e4), "tflops": rng.uniform(0, 1), "max_over_mean_load": None,
+            "load": {"layer1": {"max_over_mean": rng.uniform(1, 2), "dropped": 0.0}}}
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (0, 59.4, 75, 3599, 4000, float("inf"), -1)] == \
+        ["0s", "59s", "1m15s", "59m59s", "1h06m", "?", "?"]
+
+
+def test_bar_draws_only_on_a_terminal(monkeypatch):
+    monkeypatch.delenv("TERM", raising=False)
+    plain = io.StringIO()
+    bar = ProgressBar(10, stream=plain)
+    for i in range(11):
+        bar.update(i)
+    bar.write("a log line")  # with no bar, write is a plain print
+    bar.close()
+    assert plain.getvalue() == "a log line\n"
+
+    tty = FakeTTY()
+    bar = ProgressBar(10, initial=2, stream=tty, min_interval=0, width=80)
+    assert bar.enabled
+    bar.update(5, postfix="loss 2.5000")
+    text = bar.render()
+    assert "50%" in text and "5/10 steps" in text and "ETA" in text and "loss 2.5000" in text and len(text) < 80
+    half = (text.index("]") - 1) // 2
+    assert text.startswith("[" + "#" * half + ".")
+    bar.write("a log line")
+    bar.update(10)
+    bar.close()
+    out = tty.getvalue()
+    assert "\r\x1b[2K" in out and "\r\x1b[2Ka log line\n" in out  # the bar is cleared before the line
+    assert out.endswith("\n") and "100%" in out.splitlines()[-1] and "10/10" in out.splitlines()[-1]
+    monkeypatch.setenv("TERM", "dumb")
+    assert not ProgressBar(10, stream=FakeTTY()).enabled
+
+
+def test_bar_scales_counts_rate_and_eta():
+    bar = ProgressBar(3e6, unit="MB", scale=1e6, stream=FakeTTY(), width=100)
+    bar.update(1.5e6)
+    text = bar.render(now=bar._start_t + 2.0)  # 1.5 MB in 2 s: 0.75 MB/s, 1.5 MB left
+    assert "50%  1.5/3.0 MB  0.75 MB/s  ETA 2s" in text
+    bar.update(3e6)
+    assert "3.0/3.0 MB  0.75 MB/s  in 4s" in bar.render(now=bar._start_t + 4.0)
+
+
+def test_narrow_terminal_still_fits():
+    bar = ProgressBar(1000, stream=FakeTTY(), width=40)
+    bar.update(123, postfix="a long postfix that cannot fit on a narrow terminal")
+    assert len(bar.render()) <= 39
+
+
+def test_metrics_logger_writes_json_lines_and_log_lines(tmp_path):
+    rng = random.Random(0)
+    rows = [_metrics(rng, s) for s in range(7)]
+    lines, stream = [], io.StringIO()
+    path = tmp_path / "sub" / "m.jsonl"
+    with MetricsLogger(7, log_every=3, metrics_file=path, log=lines.append, stream=stream) as logger:
+        assert not logger.bar.enabled  # not a terminal: plain log lines only
+        for m in rows:
+            logger.log_step(m)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows
+    assert lines == [format_metrics(rows[s], 7) for s in (0, 3, 6)]  # every 3rd step and the last
+    assert lines[1].startswith("step    4/7 | loss ") and f"mtp {rows[3]['mtp_loss']:.4f}" in lines[1]
+    assert stream.getvalue() == ""
+    # A resumed run appends.
+    with MetricsLogger(9, start_step=7, metrics_file=path, log=lines.append, stream=stream) as logger:
+        logger.log_step(_metrics(rng, 7))
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(8))
+
+
+def test_metrics_logger_on_a_terminal_and_disabled(tmp_path):
+    rng = random.Random(1)
+    lines, tty = [], FakeTTY()
+    logger = MetricsLogger(4, log=lines.append, stream=tty, format=lambda m, n: f"S{m['step']}")
+    logger.bar.min_interval = 0
+    for s in range(4):
+        logger.log_step(_metrics(rng, s))
+        if s == 1:
+            logger.write("saved checkpoint")
+    logger.close()
+    assert lines == ["S0", "S1", "saved checkpoint", "S2", "S3"]
+    last = tty.getvalue().rstrip("\n").split("\r\x1b[2K")[-1]
+    assert "100%" in last and "4/4 steps" in last and "loss" in last
+    # Ranks other than the first: nothing at all, no file, no output.
+    quiet = MetricsLogger(4, metrics_file=tmp_path / "x.jsonl", tensorboard_dir=tmp_path / "tb",
+                          log=lines.append, stream=tty, enabled=False)
+    quiet.log_step(_metrics(rng, 0))
+    quiet.write("not shown")
+    quiet.close()
+    assert lines == ["S0", "S1", "saved checkpoint", "S2", "S3"]
+    assert not (tmp_path / "x.jsonl").exists() and not (tmp_path / "tb").exists()
+    with pytest.raises(ValueError, match="log_every=0"):
+        MetricsLogger(4, log_every=0)
+
+
+def test_scalar_items_flatten_and_skip_non_numbers():
+    import torch
+
+    m = {"step": 3, "loss": 2.5, "lr": 1e-3, "note": "x", "none": None, "flag": True,
+         "load": {"layer0": {"max_over_mean": 1.5}, "layer1": {}}, "t": torch.tensor(0.25)}
+    assert dict(scalar_items(m)) == {"loss": 2.5, "lr": 1e-3, "load/layer0/max_over_mean": 1.5, "t": 0.25}
+
+
+def test_missing_tensorboard_is_named(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard -> ImportError
+    with pytest.raises(ImportError, match=r"'tensorboard' package.*pip install tensorboard"):
+        require_tensorboard()
+    with pytest.raises(ImportError, match="train.tensorboard_dir"):
+        MetricsLogger(3, tensorboard_dir=tmp_path / "tb", log=lambda s: None)
+
+
+def test_tensorboard_scalars_read_back(tmp_path):
+    pytest.importorskip("tensorboard", reason="the optional 'tensorboard' package is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rng = random.Random(2)
+    rows = [_metrics(rng, s) for s in range(5)]
+    with MetricsLogger(5, tensorboard_dir=tmp_path / "tb", log=lambda s: None, stream=io.StringIO()) as logger:
+        for m in rows:
+            logger.log_step(m)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "lm_loss", "mtp_loss", "grad_norm", "lr", "tokens_per_s", "load/layer1/max_over_mean"} <= tags
+    assert "step" not in tags and "max_over_mean_load" not in tags  # the x-axis, and a None
+    for tag in ("loss", "lr", "load/layer1/max_over_mean"):
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        want = [(m["step"], m[tag] if "/" not in tag else m["load"]["layer1"]["max_over_mean"]) for m in rows]
+        assert [s for s, _ in got] == [s for s, _ in want]
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6)
