@@ -38,8 +38,9 @@ def time_interleaved(candidates: dict[str, Callable[[], object]], *, warmup: int
                      repeats: int = 10) -> dict[str, Timing]:
     """Call every candidate `warmup` times, then `repeats` times round-robin; return the times.
 
-    Besides wall time each sample records the process's CPU time, which other processes on
-    a shared machine disturb much less than wall time (they still share caches and cores).
+    Besides wall time each sample records the process's CPU time (all threads). Time spent
+    descheduled by other processes does not count there, but threads spin-waiting for a
+    descheduled partner do, so on a busy machine it grows too, only less than wall time.
     """
     names = list(candidates)
     for _ in range(warmup):

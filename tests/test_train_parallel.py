@@ -53,7 +53,9 @@ WORLD2 = [
                           "parallel.layout=Et|t|tm|L"], 1),
 ]
 WORLD4 = [
-    ("qwen3-moe-tiny", ["parallel.ep=2", "parallel.pp=2", "train.grad_accum=2"], 2),
+    # ep2 x pp2 with DualPipeV's overlapped forward/backward pairs interleaved at MoE-stage granularity
+    ("deepseek-v3-tiny", ["parallel.ep=2", "parallel.pp=2", "parallel.schedule=dualpipev", "train.grad_accum=4",
+                          "parallel.fb_overlap=moe", "parallel.layout=Et|t|tm|L"], 2),
 ]
 
 

@@ -42,6 +42,7 @@ class ParallelConfig:
     layout: str | None = None  # pipeline layout string (REFERENCE §3); None: balanced automatically
     schedule: str = "1f1b"  # pipeline schedule: 1f1b, interleaved, zb1p, dualpipe, dualpipev
     dispatcher: str = "alltoall"  # MoE token dispatcher under EP: alltoall, allgather, flex
+    fb_overlap: str = "off"  # DualPipe(V) F&B pairs: off, layer, or moe (attention/dispatch/experts/combine)
     flex_backend: str = "torch"  # backend of the flex dispatcher: torch, deepep, nvshmem
 
     def __post_init__(self) -> None:
@@ -60,6 +61,8 @@ class ParallelConfig:
         schedules = ("1f1b", "interleaved", "zb1p", "dualpipe", "dualpipev")
         if self.schedule not in schedules:
             raise ValueError(f"schedule={self.schedule!r} is unknown; choose one of {schedules}")
+        if self.fb_overlap not in ("off", "layer", "moe"):
+            raise ValueError(f"fb_overlap={self.fb_overlap!r} is unknown; choose off, layer or moe")
         if self.dispatcher not in ("alltoall", "allgather", "flex"):
             raise ValueError(f"dispatcher={self.dispatcher!r} is unknown; choose alltoall, allgather or flex")
 

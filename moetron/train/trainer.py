@@ -81,7 +81,8 @@ def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[
         from moetron.pipeline.runtime import run_schedule
 
         with run.ddp.no_sync():
-            result = run_schedule(run.schedule, run.stages, batches, group=run.ps.pp)
+            result = run_schedule(run.schedule, run.stages, batches, group=run.ps.pp,
+                                  fb_overlap=run.recipe.parallel.fb_overlap)
         sums = {"loss": float(result.loss), "lm_loss": float(result.lm_loss)}
         if result.mtp_loss is not None:
             sums["mtp_loss"] = float(result.mtp_loss)
