@@ -1,4 +1,4 @@
-"""The `moetron` command: train, list recipes, and report the environment."""
+"""The `moetron` command: train, list recipes, convert checkpoints, and report the environment."""
 
 from __future__ import annotations
 
@@ -108,6 +108,55 @@ def _add_data_parser(sub) -> None:
     p_data.set_defaults(func=_cmd_data)
 
 
+def _size(text: str) -> int:
+    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for unit, scale in units.items():
+        if t.endswith(unit) and t[:-len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[:-len(unit)]) * scale)
+    if t.isdigit():
+        return int(t)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GB, 500MB, 1048576)")
+
+
+def _cmd_convert(args) -> int:
+    import math
+    import os
+
+    from moetron.bridge.convert import format_summary, hf_to_moetron, moetron_to_hf
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.direction == "moetron-to-hf":
+        if world > 1:
+            raise ValueError("moetron-to-hf runs in one process (the checkpoint is layout-independent and is "
+                             "streamed tensor by tensor); run it without torchrun")
+        summary = moetron_to_hf(args.src, args.dst, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+                                fused_experts=args.fused_experts, overwrite=args.overwrite, progress=not args.quiet)
+        print(format_summary(summary))
+        return 0
+    from moetron.parallel import init_from_env
+    from moetron.parallel.config import ParallelConfig
+
+    parallel = ParallelConfig(tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp, vpp=args.vpp, layout=args.layout,
+                              schedule=args.schedule)
+    ps = init_from_env(parallel) if world > 1 else None
+    rank = 0
+    try:
+        summary = hf_to_moetron(args.src, args.dst, parallel=parallel, dtype=args.dtype, overwrite=args.overwrite,
+                                progress=not args.quiet, file_bytes=args.file_size, parallel_state=ps)
+    finally:
+        if torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
+            torch.distributed.destroy_process_group()
+    if rank:
+        return 0
+    print(format_summary(summary))
+    if world == 1 and math.prod((args.tp, args.ep, args.etp, args.pp)) > 1:
+        print("  (one process: the layout was validated; the checkpoint is layout-independent, and "
+              "`moetron train` loads it under any layout)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moetron", description="Train Mixture-of-Experts language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,11 +167,37 @@ def main(argv: list[str] | None = None) -> int:
     p_train.set_defaults(func=_cmd_train)
     sub.add_parser("recipes", help="list recipes with sizes and default layouts").set_defaults(func=_cmd_recipes)
     sub.add_parser("env", help="show which backends are available and why not").set_defaults(func=_cmd_env)
+    p_conv = sub.add_parser("convert", help="convert checkpoints between Hugging Face and moetron")
+    directions = p_conv.add_subparsers(dest="direction", required=True)
+    h2m = directions.add_parser(
+        "hf-to-moetron", help="a Hugging Face folder -> a moetron checkpoint (SAVE_DIR) that `moetron train` "
+        "resumes from (--set train.save_dir=DST --set train.resume=true); under torchrun each rank converts "
+        "its own shards of the layout")
+    h2m.add_argument("src", help="Hugging Face folder (config.json + safetensors)")
+    h2m.add_argument("dst", help="output folder (must not exist unless --overwrite)")
+    for flag in ("tp", "ep", "etp", "pp", "vpp"):
+        h2m.add_argument(f"--{flag}", type=int, default=1, help=f"parallel.{flag} of the layout")
+    h2m.add_argument("--layout", default=None, help="pipeline layout string (parallel.layout)")
+    h2m.add_argument("--schedule", default="1f1b", help="pipeline schedule (parallel.schedule)")
+    h2m.add_argument("--dtype", choices=["keep", "fp32", "bf16"], default="keep",
+                     help="stored dtype (keep: as in the source; FP8 sources are dequantized to bf16)")
+    h2m.add_argument("--file-size", type=_size, default=None, help="largest output file per rank, e.g. 4GB")
+    m2h = directions.add_parser("moetron-to-hf", help="a moetron checkpoint (any layout) -> a Hugging Face folder")
+    m2h.add_argument("src", help="checkpoint folder (with meta.json) or a save_dir (uses its latest)")
+    m2h.add_argument("dst", help="output folder (must not exist unless --overwrite)")
+    m2h.add_argument("--dtype", choices=["keep", "fp32", "bf16", "fp8"], default="keep",
+                     help="fp8: E4M3 projections with 128x128 block scales, the rest bf16")
+    m2h.add_argument("--max-shard-size", type=_size, default=5 * 1024**3, help="largest output shard (default 5GiB)")
+    m2h.add_argument("--fused-experts", action="store_true", help="write experts as 3-D fused tensors")
+    for p in (h2m, m2h):
+        p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p_conv.set_defaults(func=_cmd_convert)
     _add_data_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, NotImplementedError, FileNotFoundError) as exc:
+    except (ValueError, NotImplementedError, FileNotFoundError, FileExistsError) as exc:
         print(f"moetron {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

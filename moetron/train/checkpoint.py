@@ -1,12 +1,34 @@
-"""Training checkpoints: model, optimizer, step and RNG, saved atomically, resumed exactly.
+"""Training checkpoints: model, optimizer, step and RNG; saved by every rank, loaded under any layout.
 
-Layout of `DIR/step-000100/`: `model.safetensors` (parameters and persistent buffers by
-name), `optimizer.safetensors` (AdamW moments by parameter name), and `meta.json`
-(step, learning-rate schedule position, optimizer hyper-parameters, RNG state, the
-recipe). Tensors are keyed by parameter name, not position, so a later layout can
-re-shard them. Nothing is pickled. A checkpoint is written to a temporary folder and
-renamed when complete, and `latest` is updated last, so a crash never leaves a
-half-written checkpoint that looks complete.
+    save_checkpoint(root, step, model, optimizer, recipe, parallel_state=ps, modules=stages)
+    load_checkpoint(latest_checkpoint(root), model, optimizer, parallel_state=ps, modules=stages)
+
+`DIR/step-00000100/` is a layout-independent store (`moetron.train.sharded_checkpoint`):
+tensors by full parameter name, each stored whole or as boxes with global offsets, so a run
+saved under ep2 x pp2 resumes under one process, pp2 or tp2 and the other way round. One process
+writes `model.safetensors` and `optimizer.safetensors` (whole tensors keyed by name, as before);
+several write `model-RRRRR-CCC.safetensors` / `optimizer-RRRRR-CCC.safetensors`, each rank only
+the region it holds, replicas once. Besides the tensors:
+
+- optimizer: AdamW moments `exp_avg`, `exp_avg_sq` (fp32 under ZeRO-1), and the fp32 `master`
+  weights where the parameter itself is not fp32 (for fp32 parameters the master IS the
+  parameter and is not stored twice). Hyper-parameters and the step count per param group go to
+  meta.json by parameter NAME, so torch's AdamW (one process) and moetron's ZeRO-1
+  DistributedOptimizer read each other's checkpoints, at any DP size.
+- step: the number of completed optimizer steps; the learning-rate schedule is a function of
+  it, and so is the data (a micro-batch is a pure function of (seed, step, index)), so the step is
+  the whole scheduler and data position.
+- RNG: every rank's torch (and CUDA) generator state in `rng.safetensors`; restored per rank when
+  the world size is unchanged, else rank 0's state everywhere.
+- FP8 delayed scaling (`train.fp8=delayed`): every rank's amax histories in `fp8[-RRRRR].safetensors`,
+  restored when the layout is unchanged (they describe that rank's shards and tokens); under
+  another layout they restart, with a warning.
+- meta.json (written last): format, files, full shapes and dtypes, step, optimizer groups, the
+  saving layout, the model config and the recipe.
+
+Nothing is pickled. A checkpoint is written to a temporary folder, renamed when every rank has
+finished, and `latest` is updated after that, so a crash never leaves a half-written checkpoint
+that looks complete. Single-process resume stays bit-identical.
 """
 
 from __future__ import annotations
@@ -17,46 +39,177 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from moetron.bridge.safetensors_io import atomic_folder
+from moetron.bridge.safetensors_io import CheckpointError
+from moetron.bridge.slices import SafetensorsFile, Entry, write_safetensors
+from moetron.train.sharded_checkpoint import (
+    FORMAT, META, VERSION, LocalTensor, RankWriter, StoreReader, _world, agree, all_gather_object, commit_folder,
+    local_tensors, plan_writes, read_local, read_local_flat, read_meta, write_flat_range, write_local_boxes,
+)
 
 LATEST = "latest"
+HYPER = ("lr", "betas", "eps", "weight_decay")
+RNG_FILE = "rng.safetensors"
 
 
 def _step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
-def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, recipe=None) -> Path:
-    """Write the state after `step` completed optimizer steps; returns the checkpoint folder."""
-    root = Path(root)
-    names = {id(p): n for n, p in model.named_parameters()}
-    optim_tensors, optim_scalars = {}, {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, value in optimizer.state.get(p, {}).items():
-                name = f"{names[id(p)]}.{key}"
-                if torch.is_tensor(value):
-                    optim_tensors[name] = value.detach().contiguous()
+# ---- optimizer adapters: torch AdamW (one process) and moetron's ZeRO-1 ---------------------
+
+
+class _TorchOptimizer:
+    """torch.optim.AdamW-like: per-parameter state with tensor slots and a `step`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, local: dict[str, LocalTensor]):
+        self.opt = optimizer
+        self.name_of = {id(lt.tensor): n for n, lt in local.items()}
+        self.local = local
+        self.slots = sorted({k for st in optimizer.state.values() for k, v in st.items()
+                             if torch.is_tensor(v) and k != "step"})
+
+    def params(self):
+        for i, group in enumerate(self.opt.param_groups):
+            for p in group["params"]:
+                yield i, self.name_of[id(p)], p
+
+    def ranges(self) -> dict[str, tuple[int, int]]:
+        return {name: (0, p.numel()) for _, name, p in self.params()}
+
+    def slot_data(self, name: str) -> dict[str, tuple[torch.Tensor, int]]:
+        p = self.local[name].tensor
+        state = self.opt.state.get(p, {})
+        return {s: ((state[s] if s in state else torch.zeros_like(p)).detach().reshape(-1), 0) for s in self.slots}
+
+    def meta(self) -> dict:
+        groups, steps = [], {}
+        for i, group in enumerate(self.opt.param_groups):
+            names = [self.name_of[id(p)] for p in group["params"]]
+            counts = [int(self.opt.state.get(p, {}).get("step", 0)) for p in group["params"]]
+            step = max(counts, default=0)
+            steps.update({n: c for n, c in zip(names, counts) if c != step})
+            extras = {k: v for k, v in group.items() if k not in (*HYPER, "params") and _jsonable(v)}
+            groups.append({**{k: _plain(group[k]) for k in HYPER}, "step": step, "params": names, "torch": extras})
+        return {"param_groups": groups, "param_steps": steps}
+
+    @torch.no_grad()
+    def load(self, reader: StoreReader | None, saved: dict | None) -> None:
+        if saved is None:
+            self.opt.state.clear()  # a weights-only checkpoint: the optimizer starts fresh
+            return
+        member = _check_groups(saved, [(i, n) for i, n, _ in self.params()], len(self.opt.param_groups))
+        for group, sg in zip(self.opt.param_groups, saved["param_groups"]):
+            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in sg.get("torch", {}).items()
+                          if k in group})
+            group.update({k: (tuple(sg[k]) if k == "betas" else sg[k]) for k in HYPER})
+        self.opt.state.clear()
+        steps = saved.get("param_steps", {})
+        for i, name, p in self.params():
+            step = steps.get(name, saved["param_groups"][member[name]]["step"])
+            if not step:
+                continue
+            state = {"step": torch.tensor(float(step))}
+            for slot in reader.slots(name):
+                if slot != "master":
+                    state[slot] = read_local(reader, self.local[name], slot, dtype=p.dtype)
+            self.opt.state[p] = state
+
+
+class _ZeroOptimizer:
+    """moetron.optim.DistributedOptimizer: this rank owns a flat range of some local parameters."""
+
+    SLOTS = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, optimizer, local: dict[str, LocalTensor]):
+        self.opt = optimizer
+        by_id = {id(lt.tensor): n for n, lt in local.items()}
+        self.name_of = {ddp_name: by_id[id(p)] for ddp_name, p in optimizer.ddp.named_parameters()}
+        self.ddp_name = {n: d for d, n in self.name_of.items()}
+        self.local = local
+        self.state = optimizer.state_dict()  # this rank's pieces (cloned)
+
+    def ranges(self) -> dict[str, tuple[int, int]]:
+        return {self.name_of[d]: (pc["offset"], pc["offset"] + pc["numel"]) for d, pc in self.state["pieces"].items()}
+
+    def slot_data(self, name: str) -> dict[str, tuple[torch.Tensor, int]]:
+        piece = self.state["pieces"][self.ddp_name[name]]
+        slots = list(self.SLOTS)
+        if self.local[name].tensor.dtype != torch.float32:
+            slots.append("master")
+        return {s: (piece[s], piece["offset"]) for s in slots}
+
+    def meta(self) -> dict:
+        groups = [{**{k: _plain(g[k]) for k in HYPER}, "step": int(g["step"]),
+                   "params": [self.name_of[d] for d in g["params"]]} for g in self.state["param_groups"]]
+        return {"param_groups": groups, "param_steps": {}}
+
+    @torch.no_grad()
+    def load(self, reader: StoreReader | None, saved: dict | None) -> None:
+        cur = self.state
+        if saved is not None:
+            pairs = [(i, self.name_of[d]) for i, g in enumerate(cur["param_groups"]) for d in g["params"]]
+            _check_groups(saved, pairs, len(cur["param_groups"]))
+            for g, sg in zip(cur["param_groups"], saved["param_groups"]):
+                g.update({k: sg[k] for k in HYPER}, step=sg["step"])
+        steps = [g["step"] for g in cur["param_groups"]]
+        group_of = {self.name_of[d]: i for i, g in enumerate(cur["param_groups"]) for d in g["params"]}
+        for ddp_name, piece in cur["pieces"].items():
+            lt = self.local[self.name_of[ddp_name]]
+            lo, hi = piece["offset"], piece["offset"] + piece["numel"]
+            for slot in self.SLOTS:
+                if saved is not None and reader.has(lt.name, slot):
+                    piece[slot] = read_local_flat(reader, lt, lo, hi, slot, torch.float32)
+                elif saved is None or not steps[group_of[lt.name]]:
+                    piece[slot] = torch.zeros(hi - lo)  # no optimizer step taken yet
                 else:
-                    optim_scalars[name] = value
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]
-    meta = {"step": step, "param_groups": groups, "optimizer_scalars": optim_scalars,
-            "rng": {"torch": torch.get_rng_state().tolist()},
-            "recipe": _recipe_json(recipe)}
-    target = _step_dir(root, step)
-    with atomic_folder(target, overwrite=True) as tmp:
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        save_file(state, str(tmp / "model.safetensors"))
-        save_file(optim_tensors, str(tmp / "optimizer.safetensors"))
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    tmp_latest = root / f".{LATEST}.tmp"
-    tmp_latest.write_text(target.name)
-    os.replace(tmp_latest, root / LATEST)
-    return target
+                    raise CheckpointError(f"{reader.folder}: no optimizer {slot!r} for {lt.name!r}, but its "
+                                          f"param group has taken {steps[group_of[lt.name]]} steps")
+            if saved is not None and reader.has(lt.name, "master"):
+                piece["master"] = read_local_flat(reader, lt, lo, hi, "master", torch.float32)
+            else:  # the parameter (just loaded) is the master weight
+                piece["master"] = lt.tensor.detach().reshape(-1)[lo:hi].float()
+        self.opt.load_state_dict(cur)
+
+
+def _adapter(optimizer, local):
+    if optimizer is None:
+        return None
+    if hasattr(optimizer, "ddp") and hasattr(optimizer, "shards"):
+        return _ZeroOptimizer(optimizer, local)
+    return _TorchOptimizer(optimizer, local)
+
+
+def _check_groups(saved: dict, pairs: list[tuple[int, str]], count: int) -> dict[str, int]:
+    groups = saved["param_groups"]
+    if len(groups) != count:
+        raise CheckpointError(f"checkpoint has {len(groups)} optimizer param groups, this optimizer {count}")
+    member = {n: i for i, g in enumerate(groups) for n in g["params"]}
+    wrong = [f"{n} (group {i} here, {member.get(n, 'none')} in the checkpoint)" for i, n in pairs if member.get(n) != i]
+    if wrong:
+        raise CheckpointError(f"optimizer param groups differ from the checkpoint's: {', '.join(wrong[:10])}")
+    return member
+
+
+def _plain(v):
+    return list(v) if isinstance(v, tuple) else (float(v) if torch.is_tensor(v) else v)
+
+
+def _jsonable(v) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except TypeError:
+        return False
+
+
+# ---- save -------------------------------------------------------------------------------------
+
+
+def _layout(ps) -> dict:
+    if ps is None:
+        return {"world_size": 1}
+    return {"world_size": ps.world_size, **{g: getattr(ps, g).size for g in ("tp", "cp", "dp", "pp", "ep", "etp")}}
 
 
 def _recipe_json(recipe) -> dict | None:
@@ -65,43 +218,217 @@ def _recipe_json(recipe) -> dict | None:
     return json.loads(json.dumps(dataclasses.asdict(recipe), default=str))
 
 
+def _config_json(model) -> dict | None:
+    cfg = getattr(model, "config", None)
+    return None if cfg is None else json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
+                    optimizer=None, recipe=None, *, parallel_state=None, modules=None,
+                    extra_meta: dict | None = None) -> Path:
+    """Write the state after `step` completed optimizer steps as `root/step-NNNNNNNN`; returns it.
+
+    Collective when torch.distributed is initialised: every rank calls it with its own shards;
+    `modules` are this rank's pipeline stage modules (default: the whole `model`).
+    """
+    root = Path(root)
+    local = local_tensors(modules or [model], parallel_state)
+    opt = _adapter(optimizer, local)
+    plan = plan_writes(local, None if opt is None else opt.ranges())
+    rank, world = _world()
+
+    def write(tmp: Path) -> dict:
+        model_files = RankWriter(tmp, "model", rank, world)
+        for name in plan.model:
+            write_local_boxes(model_files, local[name])
+        optim_files = RankWriter(tmp, "optimizer", rank, world)
+        for name, lo, hi in plan.optimizer:
+            for slot, (flat, flat_lo) in opt.slot_data(name).items():
+                write_flat_range(optim_files, local[name], slot, flat, flat_lo, lo, hi)
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        fp8 = _fp8_state(model)
+        fp8_files = []
+        if fp8:  # per-rank state (amax of this rank's shards and tokens): kept per rank
+            fp8_files = ["fp8.safetensors" if world == 1 else f"fp8-{rank:05d}.safetensors"]
+            write_safetensors(tmp / fp8_files[0], [Entry(k, v.dtype, tuple(v.shape), lambda v=v: v)
+                                                   for k, v in fp8.items()])
+        return {"model": model_files.write(), "optimizer": optim_files.write(), "rng": rng, "fp8": fp8_files}
+
+    def finish(tmp: Path, reports: list[dict]) -> None:
+        rng = {k: torch.stack([r["rng"][k] for r in reports]) for k in reports[0]["rng"]}
+        write_safetensors(tmp / RNG_FILE, [Entry(k, v.dtype, tuple(v.shape), lambda v=v: v) for k, v in rng.items()])
+        meta = {"format": FORMAT, "version": VERSION, "step": step,
+                "files": {"model": [f for r in reports for f in r["model"]],
+                          "optimizer": [f for r in reports for f in r["optimizer"]],
+                          "fp8": [f for r in reports for f in r["fp8"]]},
+                "tensors": plan.tensors, "optimizer": None if opt is None else opt.meta(),
+                "layout": _layout(parallel_state), "model_config": _config_json(model),
+                "recipe": _recipe_json(recipe), **(extra_meta or {})}
+        if opt is not None and world > 1:  # every rank's group lists hold only its own names
+            meta["optimizer"] = _merge_groups([r["optimizer_meta"] for r in reports])
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+
+    def write_with_meta(tmp: Path) -> dict:
+        report = write(tmp)
+        if opt is not None and world > 1:
+            report["optimizer_meta"] = opt.meta()
+        return report
+
+    target = _step_dir(root, step)
+
+    def mark_latest() -> None:
+        tmp_latest = root / f".{LATEST}.tmp"
+        tmp_latest.write_text(target.name)
+        os.replace(tmp_latest, root / LATEST)
+
+    commit_folder(target, write_with_meta, finish, overwrite=True, after=mark_latest)
+    return target
+
+
+def _merge_groups(metas: list[dict]) -> dict:
+    groups = [dict(g, params=[]) for g in metas[0]["param_groups"]]
+    seen = [set() for _ in groups]
+    for m in metas:
+        for i, g in enumerate(m["param_groups"]):
+            for n in g["params"]:
+                if n not in seen[i]:
+                    seen[i].add(n)
+                    groups[i]["params"].append(n)
+    return {"param_groups": groups, "param_steps": {}}
+
+
+# ---- find and load ----------------------------------------------------------------------------
+
+
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under `root`, or None."""
     marker = Path(root) / LATEST
     if not marker.exists():
         return None
     folder = Path(root) / marker.read_text().strip()
-    if not (folder / "meta.json").exists():
+    if not (folder / META).exists():
         raise FileNotFoundError(f"{marker} points at {folder}, which is not a complete checkpoint")
     return folder
 
 
-def load_checkpoint(folder: str | os.PathLike, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Restore model, optimizer and RNG from `folder`; returns the number of completed steps."""
+def load_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
+                    parallel_state=None, modules=None, load_rng: bool = True) -> int:
+    """Restore model, optimizer and RNG from `folder` (saved under any layout) into this rank's
+    shards; returns the number of completed steps. Collective when torch.distributed is up."""
     folder = Path(folder)
-    for name in ("meta.json", "model.safetensors", "optimizer.safetensors"):
-        if not (folder / name).exists():
-            raise FileNotFoundError(f"{folder}: checkpoint is incomplete, {name} is missing")
-    meta = json.loads((folder / "meta.json").read_text())
-    state = load_file(str(folder / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{folder}/model.safetensors does not fit this model: missing {missing[:10]}, "
-                         f"unexpected {unexpected[:10]}")
-    if optimizer is not None:
-        params = dict(model.named_parameters())
-        tensors = load_file(str(folder / "optimizer.safetensors"))
-        if len(meta["param_groups"]) != len(optimizer.param_groups):
-            raise ValueError(f"{folder}: saved {len(meta['param_groups'])} optimizer groups, "
-                             f"this optimizer has {len(optimizer.param_groups)}")
-        for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
-            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in saved.items() if k != "params"})
-        optimizer.state.clear()
-        for key, value in list(tensors.items()) + list(meta["optimizer_scalars"].items()):
-            name, _, slot = key.rpartition(".")
-            if name not in params:
-                raise ValueError(f"{folder}/optimizer.safetensors: {key!r} names no parameter of this model")
-            optimizer.state.setdefault(params[name], {})[slot] = value
-    torch.set_rng_state(torch.tensor(meta["rng"]["torch"], dtype=torch.uint8))
+    if not (folder / META).exists():
+        raise FileNotFoundError(f"{folder}: checkpoint is incomplete, {META} is missing")
+    meta = read_meta(folder)
+    files = meta.get("files") or {"model": ["model.safetensors"], "optimizer": ["optimizer.safetensors"]}
+    kinds = ["model"] + (["optimizer"] if optimizer is not None and meta.get("optimizer") else [])
+    for kind in kinds:
+        for name in files.get(kind, []):
+            if not (folder / name).exists():
+                raise FileNotFoundError(f"{folder}: checkpoint is incomplete, {name} is missing")
+    reader = StoreReader(folder, {**meta, "files": files}, kinds)
+    try:
+        local = local_tensors(modules or [model], parallel_state)
+        load_model_tensors(reader, local, str(folder))
+        opt = _adapter(optimizer, local)
+        if opt is not None:
+            error = None
+            try:
+                opt.load(reader, meta.get("optimizer"))
+            except CheckpointError as exc:
+                error = f"rank {_world()[0]}: {exc}"
+                if _world()[1] == 1:
+                    raise
+            if _world()[1] > 1:
+                agree(error, f"{folder}: the optimizer state does not fit")
+    finally:
+        reader.close()
+    if load_rng and (folder / RNG_FILE).exists():
+        _restore_rng(folder / RNG_FILE)
+    if files.get("fp8"):
+        _restore_fp8(folder, files["fp8"], meta.get("layout"), _layout(parallel_state), model)
     return int(meta["step"])
+
+
+def _fp8_state(model) -> dict[str, torch.Tensor]:
+    """FP8 delayed-scaling amax histories (non-persistent buffers, so not in the state dict)."""
+    from moetron.precision.fp8_modules import fp8_state_dict
+
+    return fp8_state_dict(model)
+
+
+def _restore_fp8(folder: Path, names: list[str], saved_layout, layout, model) -> None:
+    """Restore this rank's amax histories when the layout is unchanged; otherwise they restart
+    (they are re-learned within one history length; the weights and optimizer are exact)."""
+    if saved_layout != layout:
+        import warnings
+
+        warnings.warn(f"{folder}: FP8 amax histories were saved under layout {saved_layout} and are not "
+                      f"restored under {layout}; delayed scaling restarts from fresh histories")
+        return
+    rank, world = _world()
+    name = names[0] if world == 1 else f"fp8-{rank:05d}.safetensors"
+    path = folder / name
+    if not path.exists():
+        raise FileNotFoundError(f"{folder}: checkpoint is incomplete, {name} is missing")
+    f = SafetensorsFile(path)
+    try:
+        state = {k: f.read(k) for k in f.keys()}
+    finally:
+        f.close()
+    from moetron.precision.fp8_modules import load_fp8_state_dict
+
+    load_fp8_state_dict(model, state)
+
+
+def load_model_tensors(source, local: dict[str, LocalTensor], what: str) -> None:
+    """Copy every local tensor's region out of `source` (a StoreReader, or anything with
+    `names()`, `shape(name)` and `read(...)`), after checking that the names and full shapes of
+    the model (over all ranks) and the source agree; one error lists every difference."""
+    available = source.names()
+    missing = sorted(n for n in local if n not in available)
+    misshaped = [f"{n}: checkpoint {list(source.shape(n))}, model {list(lt.placement.global_shape)}"
+                 for n, lt in local.items() if n in available and tuple(source.shape(n)) != lt.placement.global_shape]
+    held = set().union(*all_gather_object(sorted(local)))
+    unexpected = sorted(available - held)
+    lines = []
+    for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+        if items:
+            more = " ..." if len(items) > 20 else ""
+            lines.append(f"  {len(items)} {title} tensor(s): " + ", ".join(items[:20]) + more)
+    rank, world = _world()
+    error = None
+    if lines:
+        error = f"{what} does not fit this model" + (f" (rank {rank})" if world > 1 else "") + ":\n" + "\n".join(lines)
+    if world == 1:
+        if error:
+            raise CheckpointError(error)
+    else:
+        agree(error, f"{what}: loading failed")
+    error = None
+    try:
+        with torch.no_grad():
+            for lt in local.values():
+                lt.tensor.copy_(read_local(source, lt))
+    except CheckpointError as exc:
+        if world == 1:
+            raise
+        error = f"rank {rank}: {exc}"
+    if world > 1:
+        agree(error, f"{what}: reading failed")
+
+
+def _restore_rng(path: Path) -> None:
+    f = SafetensorsFile(path)
+    try:
+        rank, world = _world()
+        for key in f.keys():
+            states = f.read(key)
+            row = states[rank] if states.shape[0] == world else states[0]
+            if key == "torch":
+                torch.set_rng_state(row.clone())
+            elif key == "cuda" and torch.cuda.is_available():
+                torch.cuda.set_rng_state(row.clone())
+    finally:
+        f.close()

@@ -34,9 +34,6 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
         raise ValueError(f"model.vocab_size={recipe.model.vocab_size}: the built-in byte data needs >= {BYTE_VOCAB}")
     run = build_run(recipe, log)
     say = log if run.is_main else (lambda s: None)
-    if run.ps.world_size > 1 and t.save_dir:
-        raise NotImplementedError("train.save_dir with more than one process: sharded checkpoints are not "
-                                  "wired into the parallel trainer yet")
     data = TokenBatches(stdlib_corpus(), t.seq_len, t.micro_batch_size, t.seed)
     size = model_size(recipe.model)
     flops_per_token = training_flops_per_token(recipe.model, t.seq_len)
@@ -47,8 +44,13 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
     start = 0
     if t.resume and latest_checkpoint(t.save_dir) is not None:
         folder = latest_checkpoint(t.save_dir)
-        start = load_checkpoint(folder, run.model, run.optimizer)
+        start = load_checkpoint(folder, run.model, run.optimizer, parallel_state=run.ps, modules=run.stages)
         say(f"resumed from {folder} after step {start}")
+    elif t.init_hf:
+        from moetron.bridge.convert import load_hf_weights
+
+        load_hf_weights(t.init_hf, run.model, run.optimizer, parallel_state=run.ps, modules=run.stages)
+        say(f"initialised from the Hugging Face checkpoint {t.init_hf}")
     metrics_file = None
     if t.metrics_file and run.is_main:
         metrics_file = open(Path(t.metrics_file), "a" if start else "w")
@@ -65,7 +67,9 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
                 say(_format(m, t.steps))
             done = step + 1
             if t.save_dir and ((t.save_every and done % t.save_every == 0) or done == t.steps):
-                say(f"saved {save_checkpoint(t.save_dir, done, run.model, run.optimizer, recipe)}")
+                saved = save_checkpoint(t.save_dir, done, run.model, run.optimizer, recipe,
+                                        parallel_state=run.ps, modules=run.stages)
+                say(f"saved {saved}")
     finally:
         if metrics_file:
             metrics_file.close()
