@@ -5,6 +5,8 @@ file is read back with numpy, independently of moetron's reader.
 """
 
 import gzip
+import math
+from pathlib import Path
 import json
 import random
 import sys
@@ -414,3 +416,20 @@ def test_a_corpus_larger_than_memory_maps_and_samples(tmp_path):
     assert x.shape == (4, 64) and not x.any() and not y.any()
     assert data.num_sequences == (num_tokens - 1) // 64
     assert len(set(data.sequence_ids(10**9, 1) + data.sequence_ids(10**9, 0))) == 8
+
+
+def test_trainer_trains_on_a_prepared_folder(prepared, tmp_path):
+    from moetron.recipes import apply_overrides, get_recipe
+    from moetron.train.trainer import train
+
+    folder = prepared[0] if isinstance(prepared, tuple) else prepared
+    meta = json.loads((Path(folder) / "meta.json").read_text())
+    recipe = apply_overrides(get_recipe("qwen3-moe-tiny"), [
+        f"train.data={folder}", f"model.vocab_size={meta['vocab_size']}", "model.num_layers=2",
+        "train.seq_len=16", "train.micro_batch_size=2", "train.steps=8", "train.warmup_steps=1",
+        f"train.metrics_file={tmp_path / 'm.jsonl'}"])
+    history = train(recipe, log=lambda s: None)
+    assert len(history) == 8 and all(math.isfinite(h["loss"]) for h in history)
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 8
+    with pytest.raises(ValueError, match="moetron data prepare"):
+        apply_overrides(get_recipe("qwen3-moe-tiny"), [f"train.data={tmp_path}"])

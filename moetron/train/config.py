@@ -20,7 +20,10 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 1
     metrics_file: str | None = None
-    data: str = "builtin"  # "builtin": the Python standard library's sources, byte-tokenized
+    data: str = "builtin"  # "builtin" (the Python standard library's sources, byte-tokenized) or a
+    # folder made by `moetron data prepare`
+    data_mask_boundary: bool = False  # ignore the label after each document separator
+    tensorboard_dir: str | None = None  # needs the `tensorboard` package
     peak_tflops: float | None = None  # the device's peak, for the MFU estimate
     save_dir: str | None = None  # checkpoints go to SAVE_DIR/step-NNNNNNNN/
     save_every: int = 0  # steps between checkpoints; 0 saves only at the end (when save_dir is set)
@@ -46,7 +49,18 @@ class TrainConfig:
         if self.fp8 is not None and self.fp8 not in ("tensorwise", "delayed", "blockwise"):
             raise ValueError(f"TrainConfig.fp8={self.fp8!r}: choose tensorwise, delayed or blockwise (or null)")
         if self.data != "builtin":
-            raise ValueError(f"TrainConfig.data={self.data!r}: only 'builtin' is available so far")
+            from moetron.data.prepare import is_prepared
+
+            if not is_prepared(self.data):
+                raise ValueError(f"TrainConfig.data={self.data!r}: not 'builtin' nor a folder made by "
+                                 "`moetron data prepare INPUT... --tokenizer tokenizer.json --output FOLDER`")
+        if self.tensorboard_dir:
+            from moetron.train.progress import require_tensorboard
+
+            try:
+                require_tensorboard()
+            except ImportError as exc:
+                raise ValueError(str(exc)) from None
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up then cosine decay to `lr * min_lr_ratio` (step counts from 0)."""

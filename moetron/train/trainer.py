@@ -8,10 +8,8 @@ shards the model, and each step either accumulates micro-batches through the mod
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -22,6 +20,7 @@ from moetron.moe import balancing
 from moetron.recipes.recipe import Recipe
 from moetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from moetron.train.data import BYTE_VOCAB, TokenBatches, stdlib_corpus
+from moetron.train.progress import MetricsLogger
 from moetron.train.setup import TrainingRun, build_optimizer, build_run
 
 __all__ = ["train", "build_optimizer"]
@@ -34,10 +33,17 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
         raise ValueError(f"model.vocab_size={recipe.model.vocab_size}: the built-in byte data needs >= {BYTE_VOCAB}")
     run = build_run(recipe, log)
     say = log if run.is_main else (lambda s: None)
-    data = TokenBatches(stdlib_corpus(), t.seq_len, t.micro_batch_size, t.seed)
+    dp = run.data_rank[1]
+    if t.data == "builtin":
+        data = TokenBatches(stdlib_corpus(), t.seq_len, t.micro_batch_size, t.seed)
+    else:
+        from moetron.data.packed import PackedBatches
+
+        data = PackedBatches(t.data, t.seq_len, t.micro_batch_size, t.seed, micro_batches_per_step=t.grad_accum * dp,
+                             mask_boundary_labels=t.data_mask_boundary, model_vocab_size=recipe.model.vocab_size)
+        say(data.describe())
     size = model_size(recipe.model)
     flops_per_token = training_flops_per_token(recipe.model, t.seq_len)
-    dp = run.data_rank[1]
     say(f"recipe {recipe.name}: {size.total / 1e6:.2f}M parameters ({size.active / 1e6:.2f}M active), "
         f"{t.steps} steps of {dp}x{t.grad_accum}x{t.micro_batch_size}x{t.seq_len} tokens "
         f"on {run.ps.world_size} process(es)")
@@ -51,28 +57,21 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
 
         load_hf_weights(t.init_hf, run.model, run.optimizer, parallel_state=run.ps, modules=run.stages)
         say(f"initialised from the Hugging Face checkpoint {t.init_hf}")
-    metrics_file = None
-    if t.metrics_file and run.is_main:
-        metrics_file = open(Path(t.metrics_file), "a" if start else "w")
+    logger = MetricsLogger(t.steps, start_step=start, log_every=t.log_every, metrics_file=t.metrics_file,
+                           tensorboard_dir=t.tensorboard_dir, log=log, enabled=run.is_main)
     history = []
     try:
         run.model.train()
         for step in range(start, t.steps):
             history.append(_train_step(run, data, step, flops_per_token))
-            m = history[-1]
-            if metrics_file:
-                metrics_file.write(json.dumps(m) + "\n")
-                metrics_file.flush()
-            if step % t.log_every == 0 or step == t.steps - 1:
-                say(_format(m, t.steps))
+            logger.log_step(history[-1])
             done = step + 1
             if t.save_dir and ((t.save_every and done % t.save_every == 0) or done == t.steps):
                 saved = save_checkpoint(t.save_dir, done, run.model, run.optimizer, recipe,
                                         parallel_state=run.ps, modules=run.stages)
-                say(f"saved {saved}")
+                logger.write(f"saved {saved}")
     finally:
-        if metrics_file:
-            metrics_file.close()
+        logger.close()
     return history
 
 
@@ -154,13 +153,3 @@ def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token
     if t.peak_tflops:
         metrics["mfu"] = metrics["tflops"] / (t.peak_tflops * run.ps.world_size)
     return metrics
-
-
-def _format(m: dict, steps: int) -> str:
-    parts = [f"step {m['step'] + 1:>4}/{steps}", f"loss {m['loss']:.4f}", f"lm {m['lm_loss']:.4f}"]
-    if "mtp_loss" in m:
-        parts.append(f"mtp {m['mtp_loss']:.4f}")
-    parts += [f"gnorm {m['grad_norm']:.2f}", f"lr {m['lr']:.2e}", f"{m['tokens_per_s']:.0f} tok/s"]
-    if m.get("max_over_mean_load"):
-        parts.append(f"load max/mean {m['max_over_mean_load']:.2f}")
-    return " | ".join(parts)
