@@ -344,3 +344,29 @@ def test_layouts_convert_like_one_process_and_training_exports_like_one_process(
         assert update.norm() > 0, k  # trained, not stale or re-initialised
         assert diff.norm() <= 1e-3 * update.norm() and diff.abs().max() <= 0.1 * update.abs().max(), \
             (k, float(diff.norm() / update.norm()))
+
+
+def test_training_starts_from_and_exports_to_hf(tmp_path):
+    """`--set init.hf=PATH` starts from a hub folder; `train.export_hf` writes the result as one."""
+    transformers = pytest.importorskip("transformers")
+    from moetron.bridge import from_hf, to_hf
+    from moetron.model.model import MoETransformer
+    from moetron.recipes import apply_overrides, get_recipe
+    from moetron.train.trainer import train
+
+    base = ["model.num_layers=2", "train.seq_len=16", "train.micro_batch_size=2", "train.warmup_steps=1"]
+    recipe = apply_overrides(get_recipe("qwen3-moe-tiny"), base)
+    torch.manual_seed(7)
+    start = MoETransformer(recipe.model)
+    to_hf(start, tmp_path / "hf_in")
+    recipe = apply_overrides(recipe, ["init.hf=" + str(tmp_path / "hf_in"), "train.steps=2",
+                                      f"train.save_dir={tmp_path / 'ckpt'}", f"export.hf={tmp_path / 'hf_out'}"])
+    train(recipe, log=lambda s: None)
+    trained = from_hf(tmp_path / "hf_out")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out")
+    ids = torch.randint(0, 256, (1, 8))
+    torch.testing.assert_close(trained(ids).logits, hf(ids).logits, rtol=1e-5, atol=1e-5)
+    moved = [n for n, p in trained.state_dict().items() if not torch.equal(p, start.state_dict()[n])]
+    assert moved  # the export holds the trained weights, not the starting ones
+    with pytest.raises(ValueError, match="export_hf needs train.save_dir"):
+        apply_overrides(get_recipe("qwen3-moe-tiny"), ["export.hf=/tmp/x"])

@@ -50,6 +50,9 @@ def _coerce(text: str, current, path: str):
         raise ValueError(f"--set {path}={text}: expected a value of type {kind}") from None
 
 
+ALIASES = {"init.hf": "train.init_hf", "export.hf": "train.export_hf"}  # spellings the docs use
+
+
 def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
     """Apply `section.field=value` overrides; every section is re-validated afterwards."""
     sections = {"model": recipe.model, "train": recipe.train, "parallel": recipe.parallel}
@@ -58,6 +61,7 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
         if "=" not in item:
             raise ValueError(f"--set {item!r}: expected section.field=value, e.g. train.steps=20")
         path, text = item.split("=", 1)
+        path = ALIASES.get(path.strip(), path)
         section, _, name = path.strip().partition(".")
         if section not in sections:
             raise ValueError(f"--set {path}: unknown section {section!r}; use one of {sorted(sections)}")

@@ -29,6 +29,7 @@ class TrainConfig:
     save_every: int = 0  # steps between checkpoints; 0 saves only at the end (when save_dir is set)
     resume: bool = False  # continue from SAVE_DIR/latest when it exists
     init_hf: str | None = None  # start from this Hugging Face folder's weights (unless resuming)
+    export_hf: str | None = None  # after the last step, write the final checkpoint here as a hub folder
     fp8: str | None = None  # FP8 recipe for linear layers and experts: tensorwise, delayed, blockwise
     fp8_backend: str = "auto"  # auto, emulate, torch (torch._scaled_mm), te (Transformer Engine)
 
@@ -42,6 +43,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         if self.save_every < 0:
             raise ValueError(f"TrainConfig.save_every={self.save_every} must be >= 0")
+        if self.export_hf and not self.save_dir:
+            raise ValueError("TrainConfig.export_hf needs train.save_dir: the export is made from the final "
+                             "checkpoint")
         if self.resume and not self.save_dir:
             raise ValueError("TrainConfig.resume=true needs train.save_dir")
         if self.warmup_steps < 0:

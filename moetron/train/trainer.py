@@ -72,7 +72,20 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
                 logger.write(f"saved {saved}")
     finally:
         logger.close()
+    if t.export_hf:
+        _export_hf(run, t, say)
     return history
+
+
+def _export_hf(run: TrainingRun, t, say) -> None:
+    """Write the final checkpoint as a Hugging Face folder (rank 0, after every rank has saved)."""
+    from moetron.bridge.convert import moetron_to_hf
+
+    if run.is_main:
+        moetron_to_hf(latest_checkpoint(t.save_dir), t.export_hf, overwrite=True, progress=False)
+        say(f"exported {t.export_hf}")
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[dict[str, float], int]:
