@@ -9,6 +9,11 @@ from moetron.moe.config import MoEConfig
 
 FAMILIES = ("qwen3_moe", "deepseek_v3")
 ATTENTION_BACKENDS = ("sdpa", "eager", "flash_attn", "te")
+# Selective recompute options (moetron/model/recompute.py): pieces run under a checkpoint, and
+# pieces whose output is discarded once its consumer saved it and recomputed in backward.
+RECOMPUTE_CHECKPOINTED = ("core_attn", "mlp", "moe", "shared_experts")
+RECOMPUTE_OUTPUT_DISCARDING = ("moe_act", "layernorm", "mla_up_proj")
+RECOMPUTE_MODULES = RECOMPUTE_CHECKPOINTED + RECOMPUTE_OUTPUT_DISCARDING
 
 
 def _fail(field_name: str, value, rule: str) -> None:
@@ -73,6 +78,11 @@ class ModelConfig:
     expert_backend: str = "auto"
     attention_backend: str = "sdpa"
 
+    # Activation recomputation (no effect on the numerics): selective pieces, and the whole of
+    # every n-th decoder layer (0: none). See moetron/model/recompute.py.
+    recompute_modules: list[str] = field(default_factory=list)
+    recompute_every_n_layers: int = 0
+
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             _fail("family", self.family, f"choose one of {FAMILIES}")
@@ -105,6 +115,18 @@ class ModelConfig:
                 _fail("rope_scaling", self.rope_scaling, "only 'yarn' scaling is supported")
         if self.family == "deepseek_v3" and self.qk_rope_head_dim % 2:
             _fail("qk_rope_head_dim", self.qk_rope_head_dim, "must be even")
+        if isinstance(self.recompute_modules, str) or not all(isinstance(m, str) for m in self.recompute_modules):
+            _fail("recompute_modules", self.recompute_modules,
+                  'must be a list of module names, e.g. ["moe_act", "layernorm"]')
+        bad = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if bad:
+            _fail("recompute_modules", self.recompute_modules,
+                  f"unknown module {bad[0]!r}; valid: {', '.join(RECOMPUTE_CHECKPOINTED)} (checkpointed), "
+                  f"{', '.join(RECOMPUTE_OUTPUT_DISCARDING)} (output-discarding)")
+        if (not isinstance(self.recompute_every_n_layers, int) or isinstance(self.recompute_every_n_layers, bool)
+                or self.recompute_every_n_layers < 0):
+            _fail("recompute_every_n_layers", self.recompute_every_n_layers,
+                  "must be an integer >= 0 (0: no full-layer recompute; n: every n-th layer)")
         self.moe_config()  # validates the MoE fields with their own messages
 
     @property

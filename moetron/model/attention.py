@@ -8,6 +8,13 @@ Context parallel (moetron/parallel/context_parallel.py): with `cp_group` set (by
 holds their global positions; the keys/values of the whole sequence are gathered over the CP
 group (for MLA the compressed latent and rotary key, decompressed here) and each local chunk
 attends to the prefix of the sequence that ends with it.
+
+Recomputation (moetron/model/recompute.py; `recompute_modules` is set by the decoder layer):
+`core_attn` checkpoints the attention core (under CP: GQA's K/V all-gather is inside it and runs
+again in backward; MLA gathers its latent before, and only the local chunks are checkpointed);
+`mla_up_proj` makes MLA's up-projections (q_b_proj or q_proj, kv_b_proj), the query RoPE and the
+head assembly an output-discarding region whose inputs are the query latent, the kv latent and the
+rotated shared key, so the q, k, v the core saves are recomputed in backward instead of held.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 from torch import nn
 
 from moetron.config import ModelConfig
+from moetron.model import recompute
 from moetron.model.attention_core import core_attention
 from moetron.model.norm import RMSNorm
 from moetron.model.rope import yarn_softmax_scale
@@ -36,6 +44,7 @@ class GroupedQueryAttention(nn.Module):
     """GQA with RMSNorm on each head of q and k before RoPE (Qwen3)."""
 
     cp_group: Group | None = None  # context-parallel group (set by context_parallelize)
+    recompute_modules: frozenset[str] = frozenset()  # set by the decoder layer
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -63,10 +72,11 @@ class GroupedQueryAttention(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.cp_group is not None and self.cp_group.size > 1:
-            out = context_parallel.gqa_attention(q, k, v, self.head_dim ** -0.5, self.cfg.attention_backend,
-                                                 self.cp_group)
+            fn, extra = context_parallel.gqa_attention, (self.cp_group,)
         else:
-            out = core_attention(q, k, v, self.head_dim ** -0.5, self.cfg.attention_backend)
+            fn, extra = core_attention, ()
+        args = (q, k, v, self.head_dim ** -0.5, self.cfg.attention_backend, *extra)
+        out = recompute.checkpoint(fn, *args) if "core_attn" in self.recompute_modules else fn(*args)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -75,6 +85,7 @@ class MultiLatentAttention(nn.Module):
     decompressed from a `kv_lora_rank` latent; one rotary key part shared by all heads."""
 
     cp_group: Group | None = None  # context-parallel group (set by context_parallelize)
+    recompute_modules: frozenset[str] = frozenset()  # set by the decoder layer
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -95,9 +106,18 @@ class MultiLatentAttention(nn.Module):
         self.softmax_scale = yarn_softmax_scale(qk_dim, cfg.rope_scaling)
 
     def queries(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        return self._query_up(self._query_latent(x_BSH))
+
+    def _query_latent(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        """What the query up-projection reads: the normed q latent, or x without a q bottleneck."""
         if self.cfg.q_lora_rank is None:
-            return self.q_proj(x_BSH)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSH)))
+            return x_BSH
+        return self.q_a_layernorm(self.q_a_proj(x_BSH))
+
+    def _query_up(self, q_latent: torch.Tensor) -> torch.Tensor:
+        if self.cfg.q_lora_rank is None:
+            return self.q_proj(q_latent)
+        return self.q_b_proj(q_latent)
 
     def latent_kv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The normed kv latent [B,S,kv_lora_rank] and the shared rotary key [B,S,rope_dim]."""
@@ -107,29 +127,51 @@ class MultiLatentAttention(nn.Module):
     def forward(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # Shapes come from the projections, not x or the config: under tensor/sequence parallel
         # they hold this rank's heads over the whole (gathered) sequence.
-        interleaved = self.cfg.rope_interleave
-        q = self.queries(x_BSH)
-        B, S = q.shape[:2]
-        q = q.view(B, S, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
-        h = q.shape[1]
-        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
-
         cos, sin = rope
-        q_rot = apply_rope(q_rot, cos, sin, interleaved)
+        up_discarded = "mla_up_proj" in self.recompute_modules
+        if up_discarded:
+            q_in = self._query_latent(x_BSH)
+        else:
+            q = self._query_heads(self.queries(x_BSH), cos, sin)
         latent, k_rot = self.latent_kv(x_BSH)
-        k_rot = apply_rope(k_rot.view(B, 1, S, self.rope_dim), cos, sin, interleaved)
+        B, S = latent.shape[:2]
+        k_rot = apply_rope(k_rot.view(B, 1, S, self.rope_dim), cos, sin, self.cfg.rope_interleave)
         cp = self.cp_group is not None and self.cp_group.size > 1
         if cp:  # the whole sequence's latent and rotated rotary key, in global order
             latent, k_rot = context_parallel.gather_latent(latent, k_rot, self.cp_group)
-        S_kv = latent.shape[1]
+        if up_discarded:
+            q, k, v = recompute.discard_output(self._up_project, q_in, latent, k_rot, cos, sin)
+        else:
+            k, v = self._keys_values(latent, k_rot, q.shape[1])
+        with recompute.saved_outputs(up_discarded):  # the core's copies of q, k, v are recomputed
+            if cp:
+                fn, extra = context_parallel.attend_local_chunks, (self.cp_group.size, self.cp_group.rank)
+            else:
+                fn, extra = core_attention, ()
+            args = (q, k, v, self.softmax_scale, self.cfg.attention_backend, *extra)
+            out = recompute.checkpoint(fn, *args) if "core_attn" in self.recompute_modules else fn(*args)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+    # --- pieces of forward ---------------------------------------------------------------
+    def _query_heads(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Projected queries [B,S,h*(nope+rope)] -> [B,h,S,nope+rope] with RoPE on the rope part."""
+        B, S = q.shape[:2]
+        q = q.view(B, S, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
+        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rot = apply_rope(q_rot, cos, sin, self.cfg.rope_interleave)
+        return torch.cat((q_nope, q_rot), dim=-1)
+
+    def _keys_values(self, latent: torch.Tensor, k_rot: torch.Tensor, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decompress the (gathered) latent [B,S_kv,r] into per-head keys (with the shared rotated
+        key [B,1,S_kv,rope] appended) and values, [B,h,S_kv,*]."""
+        B, S_kv = latent.shape[:2]
         kv = self.kv_b_proj(latent).view(B, S_kv, h, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-
-        q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(B, h, S_kv, self.rope_dim)), dim=-1)
-        if cp:
-            out = context_parallel.attend_local_chunks(q, k, v, self.softmax_scale, self.cfg.attention_backend,
-                                                       self.cp_group.size, self.cp_group.rank)
-        else:
-            out = core_attention(q, k, v, self.softmax_scale, self.cfg.attention_backend)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+        return k, v
+
+    def _up_project(self, q_latent, latent, k_rot, cos, sin):
+        """The `mla_up_proj` region: q, k, v from the latents (and the rotated shared key)."""
+        q = self._query_heads(self._query_up(q_latent), cos, sin)
+        k, v = self._keys_values(latent, k_rot, q.shape[1])
+        return q, k, v

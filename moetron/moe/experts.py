@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from moetron.dispatch.base import local_expert_range, rank_and_size
+from moetron.model import recompute
 from moetron.moe.grouped_gemm import grouped_linear
 from moetron.ops import swiglu
 from moetron.parallel import comm
@@ -24,7 +25,13 @@ class GroupedExperts(nn.Module):
     columns of down, so its output is a partial sum that the dispatcher's combine adds
     up over the ETP group. `load_full_experts` / `full_expert_weights` convert between
     this shard and the full tensors (tests, checkpoints).
+
+    `recompute_act` (recompute option `moe_act`, set by the decoder layer) makes the SwiGLU an
+    output-discarding region (moetron/model/recompute.py): its [N,F] output, which the down
+    GEMM saves, and silu(gate) are recomputed in backward from gate_up, which is kept.
     """
+
+    recompute_act = False
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int,
                  backend: str = "auto", init_std: float = 0.02, *, ep_group=None, etp_group=None):
@@ -45,8 +52,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_NH: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
         gate_up = grouped_linear(x_NH, self.gate_up_proj, rows_per_expert, self.backend)
+        if self.recompute_act:
+            act = recompute.discard_output(self._activation, gate_up)
+            with recompute.saved_outputs():
+                return grouped_linear(act, self.down_proj, rows_per_expert, self.backend)
+        return grouped_linear(self._activation(gate_up), self.down_proj, rows_per_expert, self.backend)
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.split(self.local_ffn_size, dim=-1)
-        return grouped_linear(swiglu(gate, up), self.down_proj, rows_per_expert, self.backend)
+        return swiglu(gate, up)
 
     # --- full <-> shard ------------------------------------------------------------------
     def _ffn_slice(self) -> slice:

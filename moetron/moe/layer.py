@@ -6,6 +6,12 @@
 
 The four stages are separate methods (DESIGN principle 5) so a pipeline schedule
 can run them one at a time; `forward` simply chains them.
+
+Recomputation (moetron/model/recompute.py): `recompute_modules` is set by the decoder layer. The
+whole-layer `moe` checkpoint wraps the layer's call in `DecoderLayer.mlp_block`; when a pipeline
+calls the stages one by one instead, `moe` checkpoints the compute stages (route, experts, shared
+experts) one at a time and never the dispatch/combine communication. A recomputed `route` takes
+no statistics (they were taken in the forward) and replays the router's global-batch counts.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from moetron.dispatch.allgather import AllGatherDispatcher
 from moetron.dispatch.alltoall import AllToAllDispatcher
 from moetron.dispatch.base import LocalDispatcher, TokenDispatcher
 from moetron.dispatch.routing import Routing
+from moetron.model import recompute
 from moetron.model.mlp import MLP
 from moetron.moe.config import MoEConfig
 from moetron.moe.experts import GroupedExperts
@@ -47,6 +54,8 @@ class MoELayer(nn.Module):
     ranks by the caller, like any replicated parameter; the experts' over ps.edp.
     `pad_multiple` pads each local expert's rows to a multiple (FP8 grouped GEMMs).
     """
+
+    recompute_modules: frozenset[str] = frozenset()  # set by the decoder layer
 
     def __init__(self, config: MoEConfig, dispatcher: TokenDispatcher | str | None = None, *,
                  parallel_state: ParallelState | None = None, pad_multiple: int = 1,
@@ -115,8 +124,25 @@ class MoELayer(nn.Module):
         return () if ps is None else (ps.tp_ep, ps.edp)
 
     # --- the four schedulable stages -------------------------------------------------
+    def _checkpoint_stages(self) -> bool:
+        """Checkpoint route / experts / shared one by one (a plain call inside the whole-MoE one)."""
+        return "moe" in self.recompute_modules
+
+    def _saved_outputs(self):
+        """Consumers of the discarded norm output (`layernorm`) when a pipeline calls the stages."""
+        return recompute.saved_outputs("layernorm" in self.recompute_modules)
+
     def route(self, x_TH: torch.Tensor, seq_len: int | None = None) -> Routing:
-        routing, losses, selected_counts = self.router(x_TH, seq_len)
+        with self._saved_outputs():
+            if self._checkpoint_stages():
+                return recompute.checkpoint(self._route, x_TH, seq_len)
+            return self._route(x_TH, seq_len)
+
+    def _route(self, x_TH: torch.Tensor, seq_len: int | None) -> Routing:
+        with recompute.replayed(self.router, "global_counts"):  # once per forward, never recomputed
+            routing, losses, selected_counts = self.router(x_TH, seq_len)
+        if recompute.is_recomputing():  # the statistics were taken when the forward ran
+            return routing
         self.last_losses = losses.values
         self.last_tokens_per_expert = routing.tokens_per_expert.detach()
         self.last_num_slots = routing.num_tokens * routing.top_k
@@ -127,15 +153,24 @@ class MoELayer(nn.Module):
         return routing
 
     def dispatch(self, x_TH: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        return self.dispatcher.dispatch(x_TH, routing)
+        with self._saved_outputs():
+            return self.dispatcher.dispatch(x_TH, routing)
 
     def compute_experts(self, x_NH: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
+        if self._checkpoint_stages():
+            return recompute.checkpoint(self.experts, x_NH, rows_per_expert)
         return self.experts(x_NH, rows_per_expert)
 
     def combine(self, y_NH: torch.Tensor, handle: Any) -> torch.Tensor:
         return self.dispatcher.combine(y_NH, handle)
 
     def shared(self, x_TH: torch.Tensor) -> torch.Tensor:
+        with self._saved_outputs():
+            if self._checkpoint_stages():
+                return recompute.checkpoint(self._shared, x_TH)
+            return self._shared(x_TH)
+
+    def _shared(self, x_TH: torch.Tensor) -> torch.Tensor:
         out = self.shared_experts(x_TH)
         if self.shared_expert_gate is not None:
             out = torch.sigmoid(self.shared_expert_gate(x_TH)) * out

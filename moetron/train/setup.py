@@ -85,6 +85,10 @@ def _pipeline(recipe: Recipe, model: MoETransformer, ps: ParallelState, log):
 
 
 def _apply_fp8(model: MoETransformer, t) -> None:
+    c = model.config
+    if t.fp8 == "delayed" and (c.recompute_modules or c.recompute_every_n_layers):
+        raise ValueError("train.fp8=delayed with recomputation: the recomputed forward would update the amax "
+                         "history twice; use train.fp8=tensorwise or blockwise, or turn recomputation off")
     if t.fp8:
         from moetron.precision import apply_fp8, get_fp8_recipe
 
