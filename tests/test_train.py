@@ -135,3 +135,16 @@ def test_fp8_training_tracks_fp32_first_steps():
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 0.02
     with pytest.raises(ValueError, match="train.fp8|fp8"):
         apply_overrides(get_recipe("qwen3-moe-tiny"), ["train.fp8=fp4"])
+
+
+def test_default_pipeline_layout_is_balanced_by_flops():
+    from moetron.model.size import pipeline_item_costs
+    from moetron.pipeline import balanced_layout, parse_layout
+
+    r = get_recipe("deepseek-v3-671b")
+    costs = pipeline_item_costs(r.model, r.train.seq_len)
+    assert costs.layers[3] < costs.layers[0] * 2  # an MoE layer (37B active total) is not free
+    text = balanced_layout(costs, pp=16)
+    layout = parse_layout(text, num_layers=61, mtp_layers=1, pp=16)
+    per_stage = [sum(costs.layers[i] for i in s.decoder_layers) for s in layout.stages]
+    assert max(per_stage) <= 1.5 * (sum(costs.layers) / 16)  # no stage far above the mean

@@ -59,14 +59,17 @@ def _check_layout(recipe: Recipe, ps: ParallelState) -> None:
 
 
 def _pipeline(recipe: Recipe, model: MoETransformer, ps: ParallelState, log):
-    from moetron.pipeline import build_schedule, parse_layout
+    from moetron.model.size import pipeline_item_costs
+    from moetron.pipeline import balanced_layout, build_schedule, parse_layout
     from moetron.pipeline.runtime import sync_shared_parameters
-    from moetron.pipeline.stage import build_stage_modules, even_layout, parameter_key, shared_parameter_ranks
+    from moetron.pipeline.stage import build_stage_modules, parameter_key, shared_parameter_ranks
 
     p, c = recipe.parallel, recipe.model
     vpp = p.vpp if p.schedule == "interleaved" else None
     schedule = build_schedule(p.schedule, pp=p.pp, microbatches=recipe.train.grad_accum, vpp=vpp)
-    text = p.layout or even_layout(c.num_layers, schedule.num_stages, c.num_mtp_layers)
+    # Without a layout string, balance the stages by the training FLOPs of each item.
+    text = p.layout or balanced_layout(pipeline_item_costs(c, recipe.train.seq_len), pp=p.pp,
+                                       vpp=schedule.num_stages // p.pp)
     layout = parse_layout(text, num_layers=c.num_layers, mtp_layers=c.num_mtp_layers, pp=p.pp,
                           vpp=schedule.num_stages // p.pp)
     if ps.rank == 0:
