@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,8 +18,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -30,38 +27,14 @@ class CheckpointError(ValueError):
 
 
 def read_header(path: Path) -> dict:
-    """Parse and validate a safetensors header; returns {key: (dtype, shape)}."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path}: file is truncated ({size} bytes; no safetensors header)")
-        (header_len,) = struct.unpack("<Q", raw)
-        if header_len > size - 8:
-            raise CheckpointError(f"{path}: header claims {header_len} bytes but the file has {size}")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{path}: header is not valid JSON ({exc})") from None
-    data_size = size - 8 - header_len
-    tensors = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        if dtype not in _DTYPE_BYTES:
-            raise CheckpointError(f"{path}: key {key!r} has unsupported dtype {dtype}")
-        if end - begin != numel * _DTYPE_BYTES[dtype]:
-            raise CheckpointError(f"{path}: key {key!r} header says shape {shape} {dtype} "
-                                  f"({numel * _DTYPE_BYTES[dtype]} bytes) but spans {end - begin} bytes")
-        if end > data_size:
-            raise CheckpointError(f"{path}: key {key!r} ends at byte {end} but the file holds only "
-                                  f"{data_size} data bytes (truncated?)")
-        tensors[key] = (dtype, shape)
-    return tensors
+    """Parse and validate a safetensors header; returns {key: (dtype, shape)}.
+
+    The validation (truncation, sizes, offsets, overlaps) lives in `slices.parse_header`.
+    """
+    from moetron.bridge.slices import parse_header
+
+    tensors, _ = parse_header(Path(path))
+    return {key: (info.dtype, list(info.shape)) for key, info in tensors.items()}
 
 
 class CheckpointReader:

@@ -174,7 +174,7 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike):
         self._fd: int | None = None
         self.path = Path(path)
-        self.tensors, self.metadata = _parse_header(self.path)
+        self.tensors, self.metadata = parse_header(self.path)
 
     def keys(self) -> list[str]:
         return list(self.tensors)
@@ -252,7 +252,7 @@ class SafetensorsFile:
         self.close()
 
 
-def _parse_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
+def parse_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
