@@ -8,7 +8,8 @@
     python benchmarks/moe_layer.py --permute-impls torch,cpp             # one moetron line per permute impl
     python benchmarks/moe_layer.py --profile            # also: torch.profiler op tables of moetron and ceiling
 
-Candidates, all fp32 on the CPU (`torch.set_num_threads(--threads)`, 2 by default), timed in one
+Candidates, fp32 on the CPU by default (`torch.set_num_threads(--threads)`, 2 by default; `--device cuda
+--dtype bf16` for a GPU), timed in one
 process on the same random input, one random output gradient `dy` and the same weights (the
 transformers blocks share moetron's parameter tensors: router `layer.router.weight [E,H]` is
 `block.gate.weight`; `layer.experts.gate_up_proj [E,2F,H]` / `down_proj [E,H,F]` are
@@ -83,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per candidate first")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (GPU runs synchronise after every call)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="timing dtype; the agreement check always runs in fp32 first, then everything is cast")
     p.add_argument("--quick", action="store_true",
                    help=f"small sizes that finish in seconds ({', '.join(f'{k}={v}' for k, v in QUICK.items())});"
                         " explicit flags still win")
@@ -178,7 +182,10 @@ def check_hf_dispatch(blocks: dict[str, torch.nn.Module], x: torch.Tensor) -> di
 
 
 def make_step(module_fn, params, x, dy, before=None):
-    """One forward+backward from scratch: gradients set to None first, as `zero_grad()` does."""
+    """One forward+backward from scratch: gradients set to None first, as `zero_grad()` does.
+    On a GPU the call waits for the device, so host timers measure the device work."""
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+
     def step():
         if before is not None:
             before()
@@ -186,16 +193,17 @@ def make_step(module_fn, params, x, dy, before=None):
             p.grad = None
         x.grad = None
         module_fn(x).backward(dy)
+        sync()
     return step
 
 
-def build_ceiling(T, H, F_, K, dtype, seed):
+def build_ceiling(T, H, F_, K, dtype, seed, device="cpu"):
     """The expert FLOPs as one dense chain: [T*k,H] @ [2F,H]^T -> SwiGLU -> @ [H,F]^T, with input grad."""
     g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(T * K, H, generator=g, dtype=dtype).requires_grad_()
-    w1 = (0.02 * torch.randn(2 * F_, H, generator=g, dtype=dtype)).requires_grad_()
-    w2 = (0.02 * torch.randn(H, F_, generator=g, dtype=dtype)).requires_grad_()
-    dy = torch.randn(T * K, H, generator=g, dtype=dtype)
+    x = torch.randn(T * K, H, generator=g, dtype=dtype).to(device).requires_grad_()
+    w1 = (0.02 * torch.randn(2 * F_, H, generator=g, dtype=dtype)).to(device).requires_grad_()
+    w2 = (0.02 * torch.randn(H, F_, generator=g, dtype=dtype)).to(device).requires_grad_()
+    dy = torch.randn(T * K, H, generator=g, dtype=dtype).to(device)
 
     def chain(x_):
         gate, up = F.linear(x_, w1).split(F_, dim=-1)
@@ -207,7 +215,7 @@ def build_ceiling(T, H, F_, K, dtype, seed):
 def build_router_step(layer, x, seed):
     """moetron's router alone, forward+backward through the top-k weights."""
     g = torch.Generator().manual_seed(seed + 2)
-    dw = torch.randn(x.shape[0] * x.shape[1], layer.config.top_k, generator=g, dtype=x.dtype)
+    dw = torch.randn(x.shape[0] * x.shape[1], layer.config.top_k, generator=g, dtype=x.dtype).to(x.device)
 
     def router(x_):
         return layer.route(x_.reshape(-1, x_.shape[-1])).topk_weights
@@ -215,14 +223,14 @@ def build_router_step(layer, x, seed):
     return make_step(router, [layer.router.weight], x, dw)
 
 
-def permute_impl_setter(impl: str):
+def permute_impl_setter(impl: str, device: str = "cpu"):
     """A callable that makes `impl` moetron's process-wide permute implementation."""
     try:
         from moetron.dispatch.permute_kernels import resolve, set_permute_impl
     except ImportError as e:
         raise SystemExit(f"--permute-impls: this moetron has no selectable permute implementations ({e})")
     set_permute_impl(impl)
-    resolved = resolve(impl, None, torch.device("cpu"))[0]  # fails here, not mid-timing, if impl cannot run
+    resolved = resolve(impl, None, torch.device(device))[0]  # fails here, not mid-timing, if impl cannot run
     return (lambda: set_permute_impl(impl)), resolved
 
 
@@ -278,13 +286,15 @@ def check_agreement(layer, blocks, x, dy) -> list[list[str]]:
 
 # --- profile ---------------------------------------------------------------------------
 
-def profile_table(step, rows: int = 20) -> str:
+def profile_table(step, rows: int = 20, cuda: bool = False) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         step()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=rows)
 
 
 # --- main ------------------------------------------------------------------------------
@@ -301,15 +311,18 @@ def main(argv=None) -> dict[str, float]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    dtype = torch.float32
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    device = torch.device(args.device)
     T, H, F_, E, K = args.tokens, args.hidden, args.ffn, args.experts, args.topk
     load_before = _load()
 
     cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F_, num_experts=E, top_k=K, norm_topk_prob=True)
-    layer = MoELayer(cfg).to(dtype)
+    # Built in fp32 for the agreement check (bf16 routers would pick different experts for
+    # near-tied tokens), then cast in place: the transformers blocks share the Parameters.
+    layer = MoELayer(cfg).to(device)
     g = torch.Generator().manual_seed(args.seed)
-    x = torch.randn(1, T, H, generator=g, dtype=dtype).requires_grad_()
-    dy = torch.randn(1, T, H, generator=g, dtype=dtype)
+    x = torch.randn(1, T, H, generator=g).to(device).requires_grad_()
+    dy = torch.randn(1, T, H, generator=g).to(device)
     moe_params = [layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj]
 
     hf_wanted = {"hf eager", "hf grouped_mm"} - args.skip
@@ -323,7 +336,8 @@ def main(argv=None) -> dict[str, float]:
     blocks = {k: v for k, v in build_hf_blocks(layer, cfg).items() if k in hf_wanted} if hf_version else {}
 
     print(f"MoE layer forward+backward: tokens={T} hidden={H} ffn={F_} experts={E} top_k={K} "
-          f"fp32 cpu, random inputs (seed {args.seed})")
+          f"{args.dtype} {device}{' ' + torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}, "
+          f"random inputs (seed {args.seed})")
     print(f"torch {torch.__version__}  transformers {hf_version or '-'}  threads {torch.get_num_threads()}  "
           f"python {platform.python_version()}  MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_', 'unset')}")
     print(f"repeats {args.repeats} after {args.warmup} warm-up, round-robin; "
@@ -332,7 +346,7 @@ def main(argv=None) -> dict[str, float]:
     variants = {}  # moetron lines: name -> callable run before each call (selects the permute impl)
     if args.permute_impls:
         for impl in args.permute_impls.split(","):
-            before, resolved = permute_impl_setter(impl)
+            before, resolved = permute_impl_setter(impl, args.device)
             label = impl if impl == resolved else f"{impl}={resolved}"
             variants[f"moetron ({label} permute)"] = before
     else:
@@ -346,14 +360,18 @@ def main(argv=None) -> dict[str, float]:
             if before is not None:
                 before()
             agree += [[row[0].replace("moetron", name, 1), *row[1:]] for row in check_agreement(layer, blocks, x, dy)]
-        print("\nagreement, relative max error (outputs must be < 1e-5, gradients < 1e-4)")
+        print("\nagreement in fp32, relative max error (outputs must be < 1e-5, gradients < 1e-4)")
         print(format_table(["", "output", "dx", "d router", "d gate_up", "d down"], agree))
+    if dtype != torch.float32:
+        layer.to(dtype)
+        x = x.detach().to(dtype).requires_grad_()
+        dy = dy.to(dtype)
 
     candidates = {name: make_step(layer, moe_params, x, dy, before) for name, before in variants.items()}
     for name, block in blocks.items():
         candidates[name] = make_step(block, moe_params, x, dy)
     if "ceiling" not in args.skip:
-        candidates["ceiling"] = build_ceiling(T, H, F_, K, dtype, args.seed)
+        candidates["ceiling"] = build_ceiling(T, H, F_, K, dtype, args.seed, device)
     if "router only" not in args.skip:
         candidates["router only"] = build_router_step(layer, x, args.seed)
 
@@ -393,11 +411,12 @@ def main(argv=None) -> dict[str, float]:
           "the CPUs and the wall times are noisy")
 
     if args.profile:
-        print(f"\nprofile: {moe_name}, one forward+backward, by self CPU time")
-        print(profile_table(candidates[moe_name]))
+        by = "self CUDA time" if device.type == "cuda" else "self CPU time"
+        print(f"\nprofile: {moe_name}, one forward+backward, by {by}")
+        print(profile_table(candidates[moe_name], cuda=device.type == "cuda"))
         if "ceiling" in candidates:
-            print("profile: ceiling, one forward+backward, by self CPU time")
-            print(profile_table(candidates["ceiling"], rows=10))
+            print(f"profile: ceiling, one forward+backward, by {by}")
+            print(profile_table(candidates["ceiling"], rows=10, cuda=device.type == "cuda"))
     return {name: t.median for name, t in times.items()}
 
 

@@ -6,7 +6,7 @@ back to their tokens, weighted by the gate. Rows of one expert keep token order,
 which makes the result deterministic.
 
 Both take `impl` ("auto", "torch", "cpp", "triton"; default: `set_permute_impl`, which starts
-at "torch") and `deterministic`. The fused implementations and their selection live in
+with triton for CUDA tensors and torch elsewhere) and `deterministic`. The fused implementations and their selection live in
 `moetron.dispatch.permute_kernels`; this file holds the reference they must equal:
 
 * `deterministic=False` with impl "torch" is the original reference: plain torch ops, autograd

@@ -37,15 +37,20 @@ from moetron.dispatch.permute import PermuteState
 
 IMPLS = ("auto", "torch", "cpp", "triton")
 
-_default_impl = os.environ.get("MOETRON_PERMUTE_IMPL", "torch")
+# None: by device - the Triton kernel for CUDA tensors (when Triton is installed), the torch
+# reference elsewhere (the C++ CPU kernel is opt-in: it compiles on first use).
+_default_impl: str | None = os.environ.get("MOETRON_PERMUTE_IMPL") or None
 _default_deterministic = os.environ.get("MOETRON_PERMUTE_DETERMINISTIC", "0") == "1"
 _fallback_noticed = False
 
 
-def set_permute_impl(impl: str = "auto", *, deterministic: bool | None = None) -> None:
-    """Process-wide default for `permute`/`unpermute` calls that pass no `impl` (starts at "torch")."""
+def set_permute_impl(impl: str | None = "auto", *, deterministic: bool | None = None) -> None:
+    """Process-wide default for `permute`/`unpermute` calls that pass no `impl`.
+
+    It starts at None: triton for CUDA tensors when Triton is installed, torch otherwise.
+    """
     global _default_impl, _default_deterministic
-    if impl not in IMPLS:
+    if impl is not None and impl not in IMPLS:
         raise ValueError(f"permute impl {impl!r} is unknown; choose one of {IMPLS}")
     _default_impl = impl
     if deterministic is not None:
@@ -53,8 +58,8 @@ def set_permute_impl(impl: str = "auto", *, deterministic: bool | None = None) -
 
 
 def permute_impl() -> tuple[str, bool]:
-    """The process-wide default `(impl, deterministic)`."""
-    return _default_impl, _default_deterministic
+    """The process-wide default `(impl, deterministic)`; impl "default" is the by-device choice."""
+    return _default_impl or "default", _default_deterministic
 
 
 # ---- availability ----
@@ -98,6 +103,8 @@ def resolve(impl: str | None, deterministic: bool | None, device: torch.device) 
     global _fallback_noticed
     impl = _default_impl if impl is None else impl
     deterministic = _default_deterministic if deterministic is None else bool(deterministic)
+    if impl is None:  # the by-device default
+        impl = "triton" if device.type == "cuda" and _triton_status(device)[0] else "torch"
     if impl not in IMPLS:
         raise ValueError(f"permute impl {impl!r} is unknown; choose one of {IMPLS}")
     if impl == "torch":

@@ -1,7 +1,7 @@
 """The one seam through which every expert GEMM runs.
 
 `grouped_linear(x_NH, w_EOH, rows_per_expert)` is `F.linear` applied per expert to
-consecutive row blocks. Backends: `torch._grouped_mm` (CPU and Hopper GPUs), the
+consecutive row blocks. Backends: `torch._grouped_mm` (CPU and GPUs), the
 `grouped_gemm` package (GPU), and a per-expert loop that always works.
 """
 
@@ -65,9 +65,12 @@ def resolve_backend(name: str, x: torch.Tensor, w_EOH: torch.Tensor) -> str:
         return name
     usable_dtype = x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.is_cuda:
+        # torch._grouped_mm runs bf16 on Hopper's own kernel and other dtypes / GPUs on torch's
+        # fallback; both take device offsets, so no host sync (the loop needs one per call).
         major, _ = torch.cuda.get_device_capability(x.device)
-        if hasattr(torch, "_grouped_mm") and major >= 9 and x.dtype == torch.bfloat16:
-            return "torch_grouped_mm" if _aligned(x, w_EOH.shape[-1], w_EOH.shape[-2]) else "loop"
+        aligned = _aligned(x, w_EOH.shape[-1], w_EOH.shape[-2])
+        if hasattr(torch, "_grouped_mm") and major >= 8 and usable_dtype and aligned:
+            return "torch_grouped_mm"
         return "grouped_gemm" if backends._has_module("grouped_gemm") else "loop"
     if hasattr(torch, "_grouped_mm") and usable_dtype and _aligned(x, w_EOH.shape[-1], w_EOH.shape[-2]):
         return "torch_grouped_mm"
