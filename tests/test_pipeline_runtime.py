@@ -55,6 +55,7 @@ CASES_PP2 = {
     "deepseek_dualpipev_back_to_back": ("deepseek_mtp2", "dualpipev", 6, None, "Et|t|tm|mL",
                                         {"overlap_p2p_comm": False}),
     "deepseek_dualpipe_layer_pieces": ("deepseek", "dualpipe", 4, None, "Et|ttmL", {"fb_overlap": "layer"}),
+    "deepseek_1f1b_paired_moe_pieces": ("deepseek", "1f1b", 4, None, "Ett|tmL", {"fb_overlap": "moe"}),
 }
 CASES_PP4 = {
     "deepseek_1f1b_custom": ("deepseek", "1f1b", 5, None, "Et|t|tm|L", {}),
@@ -162,8 +163,9 @@ def _check_coverage(results, cases):
 def test_pp2_schedules_match_one_process():
     results = run_distributed(_run_cases, 2, CASES_PP2, timeout=240)
     _check_coverage(results, CASES_PP2)
-    # the overlapped pairs really ran as pairs
-    assert any(t.startswith("FB(") for t in results[0]["deepseek_dualpipev_moe_pieces"][2])
+    # the overlapped pairs really ran as pairs (1F1B's made by pairing each backward with a forward)
+    for name in ("deepseek_dualpipev_moe_pieces", "deepseek_1f1b_paired_moe_pieces"):
+        assert any(t.startswith("FB(") for t in results[0][name][2]), name
 
 
 def test_pp4_schedules_match_one_process():

@@ -8,10 +8,19 @@
     combine:  the same steps mirrored; the ETP step becomes a reduce-scatter that also sums
               the experts' partial outputs; the final unpermute applies the gate weights.
 
+Phases (Megatron's dispatcher contract, REFERENCE §3): `dispatch_preprocess` (permute and the
+count exchange) -> the row all-to-all over EP (a `RowExchange`) -> `dispatch_postprocess`
+(ETP gather and regroup); `combine_preprocess` (un-regroup and ETP reduce-scatter) -> the
+all-to-all back -> `combine_postprocess` (unpermute with the gate weights). `dispatch` and
+`combine` simply chain them. A pipeline schedule runs the two all-to-alls on their own, as
+asynchronous communication pieces (moetron/pipeline/overlap.py), so they hide behind another
+micro-batch's compute; the ETP collectives stay synchronous inside the neighbouring phases.
+
 The host sync: all-to-all split sizes must be host integers, so after the count exchange
-`dispatch` reads the counts once (`.tolist()`; a device-to-host copy on GPU). With
-`pad_to_capacity` every (rank, expert) block has exactly `capacity` rows, the splits are
-known in advance and that exchange and sync are skipped.
+`dispatch_preprocess` reads the counts once (`.tolist()`; a device-to-host copy on GPU). That
+sync is the one point of a dispatch that always waits. With `pad_to_capacity` every (rank,
+expert) block has exactly `capacity` rows, the splits are known in advance and that exchange
+and sync are skipped.
 
 Every step is an autograd op (comm.all_to_all, permute/unpermute), so backward is the
 mirror image without extra code.
@@ -23,10 +32,23 @@ from dataclasses import dataclass
 
 import torch
 
-from moetron.dispatch.base import local_expert_range, rank_and_size, round_up
+from moetron.dispatch.base import RowExchange, local_expert_range, rank_and_size, round_up
 from moetron.dispatch.permute import PermuteState, permute, unpermute
 from moetron.dispatch.routing import Routing
 from moetron.parallel import comm
+
+
+@dataclass
+class AllToAllPlan:
+    """What dispatch-preprocess decided and dispatch-postprocess needs to place the received rows."""
+
+    token_state: PermuteState  # tokens -> expert-major rows (all E experts), on the source rank
+    topk_weights: torch.Tensor  # [T,k] gate weights of the source tokens
+    send_splits: list[int]  # rows sent to each EP rank
+    recv_splits: list[int]  # rows received from each EP rank
+    received: list[int] | None  # rows per (ETP rank, EP source, local expert); None: fixed shape
+    etp_rows: list[int] | None  # rows each ETP rank received over EP (None without ETP)
+    capacity_slots: int = 0  # pad_to_capacity: rows per (block, local expert)
 
 
 @dataclass
@@ -75,10 +97,20 @@ class AllToAllDispatcher:
         self.pad_multiple = pad_multiple
         self.pad_to_capacity = pad_to_capacity
 
-    # --- dispatch ------------------------------------------------------------------------
     def dispatch(self, x_TH: torch.Tensor, routing: Routing):
+        x_NH, exchange, plan = self.dispatch_preprocess(x_TH, routing)
+        return self.dispatch_postprocess(exchange(x_NH), plan)
+
+    def combine(self, y_NH: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+        y_NH, exchange = self.combine_preprocess(y_NH, handle)
+        return self.combine_postprocess(exchange(y_NH), handle)
+
+    # --- dispatch phases -----------------------------------------------------------------
+    def dispatch_preprocess(self, x_TH: torch.Tensor, routing: Routing
+                            ) -> tuple[torch.Tensor, RowExchange, AllToAllPlan]:
+        """Permute into send order and agree on the split sizes (the one host sync)."""
         if self.pad_to_capacity and routing.capacity is not None:
-            return self._dispatch_padded(x_TH, routing)
+            return self._preprocess_padded(x_TH, routing)
         x_NH, token_state = permute(x_TH, routing.topk_idx, self.num_experts)
         counts = self._exchange_counts(token_state.rows_per_expert)  # the one host sync
         El = self.num_local_experts
@@ -88,17 +120,24 @@ class AllToAllDispatcher:
         etp_rows = [sum(received[t * per_etp:(t + 1) * per_etp]) for t in range(self.etp)]
         mine_start = self.etp_rank * per_etp  # this rank's own EP receipts within `received`
         recv_splits = [sum(received[mine_start + s * El:mine_start + (s + 1) * El]) for s in range(self.ep)]
+        plan = AllToAllPlan(token_state, routing.topk_weights, send_splits, recv_splits, received,
+                            etp_rows if self.etp > 1 else None)
+        return x_NH, RowExchange(self.ep_group, recv_splits, send_splits), plan
 
-        x_NH = comm.all_to_all(x_NH, self.ep_group, recv_splits, send_splits)
-        if self.etp > 1:
-            x_NH = gather_uneven(x_NH, self.etp_group, etp_rows)
+    def dispatch_postprocess(self, x_NH: torch.Tensor, plan: AllToAllPlan):
+        """Rows received over EP -> the ETP group's rows, local-expert-major; and the handle."""
+        if plan.received is None:
+            return self._postprocess_padded(x_NH, plan)
+        El = self.num_local_experts
+        if plan.etp_rows is not None:
+            x_NH = gather_uneven(x_NH, self.etp_group, plan.etp_rows)
         # rows are ordered (ETP rank, EP source rank, local expert); sort them expert-major
         expert_of_row = torch.arange(El, device=x_NH.device).repeat(self.etp * self.ep)
         expert_of_row = expert_of_row.repeat_interleave(
-            torch.tensor(received, device=x_NH.device), output_size=x_NH.shape[0])
+            torch.tensor(plan.received, device=x_NH.device), output_size=x_NH.shape[0])
         x_NH, regroup_state = permute(x_NH, expert_of_row.unsqueeze(1), El, pad_multiple=self.pad_multiple)
-        handle = AllToAllHandle(token_state, routing.topk_weights, send_splits, recv_splits,
-                                etp_rows if self.etp > 1 else None, regroup_state)
+        handle = AllToAllHandle(plan.token_state, plan.topk_weights, plan.send_splits, plan.recv_splits,
+                                plan.etp_rows, regroup_state)
         return x_NH, regroup_state.rows_per_expert, handle
 
     def _exchange_counts(self, rows_per_expert: torch.Tensor) -> list[int]:
@@ -110,26 +149,31 @@ class AllToAllDispatcher:
             received = comm.all_gather(received.unsqueeze(0), self.etp_group).reshape(-1)
         return torch.cat([rows_per_expert, received.reshape(-1)]).tolist()
 
-    def _dispatch_padded(self, x_TH: torch.Tensor, routing: Routing):
+    def _preprocess_padded(self, x_TH: torch.Tensor, routing: Routing):
         """Every expert gets exactly `slots` rows from every rank: fixed shapes, no host sync."""
         slots = round_up(routing.capacity, self.pad_multiple)
         x_NH, token_state = permute(x_TH, routing.topk_idx, self.num_experts, pad_to=slots)
-        El, blocks = self.num_local_experts, self.ep * self.etp
-        splits = [El * slots] * self.ep
-        x_NH = comm.all_to_all(x_NH, self.ep_group, splits, splits)
+        splits = [self.num_local_experts * slots] * self.ep
+        etp_rows = [splits[0] * self.ep] * self.etp if self.etp > 1 else None
+        plan = AllToAllPlan(token_state, routing.topk_weights, splits, splits, None, etp_rows, slots)
+        return x_NH, RowExchange(self.ep_group, splits, splits), plan
+
+    def _postprocess_padded(self, x_NH: torch.Tensor, plan: AllToAllPlan):
+        El, blocks, slots = self.num_local_experts, self.ep * self.etp, plan.capacity_slots
         if self.etp > 1:
             x_NH = comm.all_gather(x_NH, self.etp_group)
         # (block, local expert, slot) -> (local expert, block, slot)
         H = x_NH.shape[-1]
         x_NH = x_NH.view(blocks, El, slots, H).transpose(0, 1).reshape(-1, H)
         rows = torch.full((El,), blocks * slots, dtype=torch.long, device=x_NH.device)
-        handle = AllToAllHandle(token_state, routing.topk_weights, splits, splits,
-                                [El * slots * self.ep] * self.etp if self.etp > 1 else None,
-                                None, capacity_blocks=blocks)
+        handle = AllToAllHandle(plan.token_state, plan.topk_weights, plan.send_splits, plan.recv_splits,
+                                plan.etp_rows, None, capacity_blocks=blocks)
         return x_NH, rows, handle
 
-    # --- combine -------------------------------------------------------------------------
-    def combine(self, y_NH: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+    # --- combine phases ------------------------------------------------------------------
+    def combine_preprocess(self, y_NH: torch.Tensor, handle: AllToAllHandle
+                           ) -> tuple[torch.Tensor, RowExchange]:
+        """Expert outputs back in received order, ETP partial sums reduced: ready to send."""
         if handle.regroup_state is not None:
             y_NH = unpermute(y_NH, handle.regroup_state)  # back to the received order
         else:
@@ -137,5 +181,8 @@ class AllToAllDispatcher:
             y_NH = y_NH.view(self.num_local_experts, blocks, -1, H).transpose(0, 1).reshape(-1, H)
         if handle.etp_rows is not None:
             y_NH = reduce_scatter_uneven(y_NH, self.etp_group, handle.etp_rows)  # sums ETP partials
-        y_NH = comm.all_to_all(y_NH, self.ep_group, handle.send_splits, handle.recv_splits)
+        return y_NH, RowExchange(self.ep_group, handle.send_splits, handle.recv_splits)
+
+    def combine_postprocess(self, y_NH: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+        """Rows back on their source rank -> one gate-weighted row per token."""
         return unpermute(y_NH, handle.token_state, handle.topk_weights)

@@ -9,10 +9,17 @@ flex) implement the same two calls.
 Under expert-tensor parallelism the experts return partial sums (each ETP rank
 holds a slice of the ffn dimension); the parallel dispatchers' `combine` adds
 them up, so the expert module itself never communicates.
+
+A dispatcher may also expose its protocol phases (`PhasedDispatcher`, REFERENCE §3):
+local preprocess -> one row all-to-all (`RowExchange`) -> local postprocess, for dispatch
+and for combine. A pipeline schedule then runs each all-to-all as its own asynchronous
+piece, overlapped with another micro-batch's compute (moetron/pipeline/overlap.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -20,6 +27,7 @@ import torch.distributed as dist
 
 from moetron.dispatch.permute import PermuteState, permute, unpermute
 from moetron.dispatch.routing import Routing
+from moetron.parallel import comm
 from moetron.parallel.state import Group
 
 
@@ -29,6 +37,58 @@ class TokenDispatcher(Protocol):
 
     def combine(self, y_NH: torch.Tensor, handle: Any) -> torch.Tensor:
         """Return the gate-weighted sum of expert outputs per source token `[T,H]`."""
+
+
+@dataclass(frozen=True)
+class RowExchange:
+    """The communication step of a phased dispatcher: an uneven all-to-all of rows over `group`.
+
+    Rank r sends `input_splits[s]` rows to rank s and receives `output_splits[s]` from it
+    (host lists; None: equal blocks). Calling it is the synchronous autograd all-to-all;
+    `start` issues it asynchronously outside autograd and `reversed` is its adjoint, which a
+    pipeline executor uses for the gradient.
+    """
+
+    group: Any
+    output_splits: Sequence[int] | None
+    input_splits: Sequence[int] | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return comm.all_to_all(x, self.group, self.output_splits, self.input_splits)
+
+    def start(self, x: torch.Tensor) -> comm.PendingAllToAll:
+        return comm.start_all_to_all(x, self.group, self.output_splits, self.input_splits)
+
+    def reversed(self) -> RowExchange:
+        return RowExchange(self.group, self.input_splits, self.output_splits)
+
+
+class PhasedDispatcher(TokenDispatcher, Protocol):
+    """A dispatcher whose only communication of tokens is one all-to-all each way.
+
+    `dispatch(x, r)` equals `dispatch_postprocess(exchange(x_send), plan)` with
+    `x_send, exchange, plan = dispatch_preprocess(x, r)`; `combine(y, handle)` equals
+    `combine_postprocess(exchange(y_send), handle)` with
+    `y_send, exchange = combine_preprocess(y, handle)`.
+    """
+
+    def dispatch_preprocess(self, x_TH: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, RowExchange, Any]:
+        ...
+
+    def dispatch_postprocess(self, x_NH: torch.Tensor, plan: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        ...
+
+    def combine_preprocess(self, y_NH: torch.Tensor, handle: Any) -> tuple[torch.Tensor, RowExchange]:
+        ...
+
+    def combine_postprocess(self, y_NH: torch.Tensor, handle: Any) -> torch.Tensor:
+        ...
+
+
+def is_phased(dispatcher: Any) -> bool:
+    """Whether `dispatcher` exposes the PhasedDispatcher phases."""
+    return all(callable(getattr(dispatcher, name, None)) for name in
+               ("dispatch_preprocess", "dispatch_postprocess", "combine_preprocess", "combine_postprocess"))
 
 
 def rank_and_size(group: Group | dist.ProcessGroup | None) -> tuple[int, int]:

@@ -6,6 +6,10 @@ collective's backward is its adjoint: all-gather <-> reduce-scatter, all-reduce 
 all-to-all <-> all-to-all with the splits swapped. On a group of size 1 every function returns its
 input unchanged and never touches torch.distributed.
 
+One exception to "autograd function": `start_all_to_all` is a plain asynchronous all-to-all for
+the pipeline's communication pieces, whose executor sends the gradient back itself (the same
+all-to-all with the splits swapped, also asynchronous).
+
 torch 2.13's gloo backend implements every op used here (all_gather_single, reduce_scatter_single,
 all_to_all_single with uneven splits, async work), so no fallbacks are needed; older names are
 used only when the new ones are missing.
@@ -258,11 +262,13 @@ class PendingAllToAll:
     def __init__(self) -> None:
         self._work = None
         self._out: torch.Tensor | None = None
+        self._input: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
             self._work = None
+        self._input = None
         return self._out
 
 
@@ -285,6 +291,35 @@ def all_to_all_async(
     else:
         splits = _as_list(output_split_sizes), _as_list(input_split_sizes)
         pending._out = _AllToAll.apply(x, handle, *splits, pending)
+    return pending
+
+
+def start_all_to_all(
+    x: torch.Tensor,
+    group: GroupLike,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+) -> PendingAllToAll:
+    """Issue all_to_all asynchronously and outside autograd; wait() gives the received rows.
+
+    For a caller that owns the gradient path itself: the pipeline's communication pieces
+    (moetron/pipeline/overlap.py) send a gradient back with the reversed splits, also
+    asynchronously, so the exchange hides behind another micro-batch's compute in both
+    directions. `x` must stay unmodified until wait().
+    """
+    handle, size = _handle_and_size(group)
+    _check_splits(x, size, output_split_sizes, input_split_sizes)
+    pending = PendingAllToAll()
+    x = x.detach()
+    if size == 1:
+        pending._out = x
+        return pending
+    x = x.contiguous()
+    splits = _as_list(output_split_sizes), _as_list(input_split_sizes)
+    rows = x.shape[0] if splits[0] is None else sum(splits[0])
+    pending._out = x.new_empty((rows, *x.shape[1:]))
+    pending._input = x  # alive until the transfer completes
+    pending._work = dist.all_to_all_single(pending._out, x, *splits, group=handle, async_op=True)
     return pending
 
 

@@ -18,8 +18,16 @@ Each rank walks `schedule.rank_actions[rank]` in order:
 - `FB`: the forward of one micro-batch and the (full) backward of another. With
   `fb_overlap="off"` they run back to back. With "layer" or "moe" both run as chains of
   pieces (attention / MLP, or attention / dispatch / experts / combine: DESIGN principle 5)
-  that alternate, forward piece then backward piece, so the communication of one can hide
-  behind the compute of the other.
+  taking turns. With an all-to-all dispatcher the "moe" chains also hold the two EP
+  all-to-alls of each MoE layer as communication pieces (moetron/pipeline/overlap.py): the
+  executor issues them asynchronously (forward: the rows; backward: their gradient, without
+  autograd), lets the other chain run until it issues its own, and waits only when the next
+  piece needs the result, so each all-to-all hides behind the other micro-batch's compute.
+  Still synchronous: each dispatch's count exchange (one host sync), ETP collectives, other
+  dispatchers' communication, and the pipeline P2P between actions (which
+  `overlap_p2p_comm` prefetches). 1F1B and interleaved schedules get FB actions when
+  `fb_overlap` is on: each full backward is paired with the forward after it
+  (`overlap.pair_forward_backward`); DualPipe(V) come with their own pairs.
 
 Loss convention: each micro-batch's loss is its own mean over its tokens (`MoETransformer`'s
 `total_loss`: LM + mtp_loss_weight x MTP); the step's loss is the mean over micro-batches,
@@ -45,6 +53,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from moetron.moe import balancing
 from moetron.moe.layer import MoELayer
+from moetron.pipeline.overlap import CommPiece, pair_forward_backward
 from moetron.pipeline.p2p import Message, PipelineP2P, ProcessGroupInfo, sum_over_ranks
 from moetron.pipeline.schedules import Action, PipelineSchedule, ScheduleError
 from moetron.pipeline.stage import (
@@ -239,7 +248,8 @@ class _Executor:
             a.kind == "FB" for a in schedule.rank_actions[info.rank])
         self.split = fb_overlap
         self.last = schedule.num_stages - 1
-        self.saved: dict[tuple[int, int], list[tuple[Tensors, Tensors]]] = {}
+        # (inputs, outputs, None) per piece, or (None, None, Transfer) per communication piece
+        self.saved: dict[tuple[int, int], list[tuple]] = {}
         self.weight_work: dict[tuple[int, int], list[WeightGradients]] = {}
         self.local: dict[tuple, Tensors] = {}
         self.losses: dict[int, Tensors] = {}
@@ -313,15 +323,25 @@ class _Executor:
             pieces = module.pieces(batch, split=self.split)
         else:
             pieces = [("stage", lambda state: module(state, batch))]
+        # A chain with communication pieces yields only after issuing one (the other chain runs
+        # while the rows travel); a chain without yields after every piece (plain alternation).
+        overlapped = any(isinstance(fn, CommPiece) for _, fn in pieces)
         record, state = [], inputs
         for i, (_, fn) in enumerate(pieces):
+            if isinstance(fn, CommPiece):
+                transfer = fn.start(state)
+                yield
+                state = transfer.wait()
+                record.append((None, None, transfer))
+                continue
             if i:
                 state = tuple(_leaf(t) if t.requires_grad else t for t in state)
             with torch.enable_grad():
                 out = tuple(fn(state))
-            record.append((state, out))
+            record.append((state, out, None))
             state = out
-            yield
+            if not overlapped:
+                yield
         self.saved[(mb, s)] = record
         if s == self.last:
             self.losses[mb] = tuple(t.detach() for t in state)
@@ -335,8 +355,14 @@ class _Executor:
         if s == self.last:
             loss = record[-1][1][0]
             grads = (torch.full_like(loss, self.loss_scale),) + (None,) * (len(record[-1][1]) - 1)
+        overlapped = any(transfer is not None for _, _, transfer in record)
         weight_work = []
-        for inputs, outputs in reversed(record):
+        for inputs, outputs, transfer in reversed(record):
+            if transfer is not None:  # the reverse all-to-all of the gradient, outside autograd
+                pending = transfer.start_backward(grads)
+                yield
+                grads = pending.wait()
+                continue
             pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
             if not pairs:
                 grads = (None,) * len(inputs)
@@ -346,7 +372,8 @@ class _Executor:
             else:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 grads = tuple(x.grad if x.requires_grad else None for x in inputs)
-            yield
+            if not overlapped:
+                yield
         if split:
             self.weight_work[(mb, s)] = weight_work
         if s > 0:
@@ -356,7 +383,8 @@ class _Executor:
 
 
 def _alternate(steps: list[Iterator[None]]) -> None:
-    """Run generators piece by piece, taking turns (forward piece, backward piece, ...)."""
+    """Run generators taking turns: a chain runs until it yields (after each piece, or, with
+    communication pieces, after issuing an all-to-all), then the other one."""
     live = list(steps)
     while live:
         for step in list(live):
@@ -378,7 +406,9 @@ def run_schedule(schedule: PipelineSchedule, stage_modules: Sequence[PipelineSta
     needs). `group` is the pipeline group (a moetron Group, a ProcessGroup, or None for the
     world / one process). Gradients accumulate into the parameters' `.grad`, scaled by
     `loss_scale` (default 1/microbatches). With `gather_losses` every rank returns every
-    micro-batch's loss (one small all-reduce over the group).
+    micro-batch's loss (one small all-reduce over the group). `fb_overlap` ("off", "layer",
+    "moe") is how the forward and backward of an FB pair share the time (module docstring);
+    when on, 1F1B and interleaved schedules are paired first (`pair_forward_backward`).
     """
     info = ProcessGroupInfo.of(group)
     if info.size != schedule.pp:
@@ -386,6 +416,8 @@ def run_schedule(schedule: PipelineSchedule, stage_modules: Sequence[PipelineSta
                             f"has {info.size} ranks")
     if fb_overlap not in FB_OVERLAP:
         raise ValueError(f"fb_overlap={fb_overlap!r}: choose one of {FB_OVERLAP}")
+    if fb_overlap != "off":  # 1F1B / interleaved: each backward beside the next forward
+        schedule = pair_forward_backward(schedule)
     if len(microbatches) != schedule.microbatches:
         raise ScheduleError(f"{schedule.name}: built for {schedule.microbatches} micro-batches, "
                             f"got {len(microbatches)}")

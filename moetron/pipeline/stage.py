@@ -18,6 +18,12 @@ The loss stage computes the LM loss and every depth's MTP loss, exactly as
 `MoETransformer.forward` does, and returns `(total_loss, lm_loss, mtp_loss)` (the last two
 detached, `mtp_loss` only when the model has MTP layers).
 
+As pieces (`pieces`), a stage is a chain of functions from one state tuple to the next, which
+the pipeline executor can interleave with another micro-batch's chain; with the all-to-all
+dispatcher each MoE layer's two token all-to-alls are communication pieces that the executor
+issues asynchronously (moetron/pipeline/overlap.py); each dispatch's count exchange stays a
+synchronous host sync inside the dispatch piece.
+
 Shared parameters: the embedding is used by the E stage, by every stage holding MTP layers
 (embedding of the future tokens) and by the loss stage when the head is tied. A stage
 that needs it holds the model's `embed_tokens` under its own name; when such stages sit on
@@ -37,9 +43,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from moetron.dispatch.base import is_phased
+from moetron.model import recompute
 from moetron.model.model import IGNORE_INDEX, MoETransformer, lm_cross_entropy
 from moetron.model.mtp import shift_left
 from moetron.pipeline.layout import LayoutError, PipelineLayout, PipelineStage
+from moetron.pipeline.overlap import CommPiece
 
 Tensors = tuple[torch.Tensor, ...]
 Piece = tuple[str, Callable[[Tensors], Tensors]]
@@ -158,8 +167,11 @@ class PipelineStageModule(nn.Module):
         `split=None`: one piece per decoder layer (the layer's own `forward`); "layer": an
         attention piece and an MLP piece per layer; "moe": MoE MLPs further split into
         dispatch, experts and combine pieces (DESIGN principle 5), so a schedule can run them
-        between the backward pieces of another micro-batch. Non-tensor state (routing
-        handles) travels in the closures; tensors that need gradients travel in the tuple.
+        between the backward pieces of another micro-batch. With a phased dispatcher
+        (all-to-all) the two EP all-to-alls are pieces of their own, `CommPiece`s, which the
+        pipeline executor runs asynchronously (pipeline/overlap.py); called directly they are
+        ordinary synchronous all-to-alls. Non-tensor state (routing handles, split sizes)
+        travels in the closures; tensors that need gradients travel in the tuple.
         """
         if split not in (None, "layer", "moe"):
             raise ValueError(f"split={split!r}: choose None, 'layer' or 'moe'")
@@ -224,19 +236,21 @@ class PipelineStageModule(nn.Module):
 
 
 def _moe_pieces(layer, index: int) -> list[Piece]:
-    """dispatch | experts (+ shared experts) | combine (+ residual) for one MoE decoder layer.
+    """dispatch | experts (+ shared experts) | combine (+ residual) for one MoE decoder layer;
+    with a phased dispatcher (all-to-all) also the two all-to-alls as communication pieces.
 
     Tensors of the dispatcher's handle that carry gradients (gate weights, or dispatched
     weights on flex) cross piece boundaries as tuple entries and are put back into the
     handle, so each piece's backward stays inside its own piece.
     """
     moe = layer.mlp
+    if is_phased(moe.dispatcher):
+        return _phased_moe_pieces(layer, index)
     ctx: dict[str, Any] = {}
 
     def dispatch(state: Tensors) -> Tensors:
         h = state[0]
         x = layer.post_attention_layernorm(h)
-        ctx["shape"] = x.shape
         x_TH = x.reshape(-1, x.shape[-1])
         routing = moe.route(x_TH, x.shape[-2])
         x_NH, rows, handle = moe.dispatch(x_TH, routing)
@@ -263,6 +277,54 @@ def _moe_pieces(layer, index: int) -> list[Piece]:
         return (h + out.view(h.shape),)
 
     return [(f"dispatch{index}", dispatch), (f"experts{index}", experts), (f"combine{index}", combine)]
+
+
+def _phased_moe_pieces(layer, index: int) -> list[Piece]:
+    """dispatch | dispatch_a2a | experts | combine_a2a | combine, the all-to-alls as CommPieces
+    on state entry 1 (rows), which the executor runs asynchronously (pipeline/overlap.py).
+
+    The state is `(h, rows, *gate-weight slots, *shared-expert input or output)`; the plan and
+    handle (host splits, permutation indices) travel in the closures.
+    """
+    moe = layer.mlp
+    dispatcher = moe.dispatcher
+    ctx: dict[str, Any] = {}
+
+    def dispatch(state: Tensors) -> Tensors:  # norm, route, permute, count exchange
+        h = state[0]
+        x = layer.post_attention_layernorm(h)
+        x_TH = x.reshape(-1, x.shape[-1])
+        routing = moe.route(x_TH, x.shape[-2])
+        with recompute.saved_outputs("layernorm" in moe.recompute_modules):  # as MoELayer.dispatch
+            x_send, ctx["dispatch_a2a"], ctx["plan"] = dispatcher.dispatch_preprocess(x_TH, routing)
+        ctx["slots"] = slots = _grad_tensors(ctx["plan"])
+        shared_in = (x_TH,) if moe.shared_experts is not None else ()
+        return (h.view_as(h), x_send, *slots, *shared_in)
+
+    def experts(state: Tensors) -> Tensors:  # postprocess, experts, shared, combine-preprocess
+        n = len(ctx["slots"])
+        h, x_recv, slots, shared_in = state[0], state[1], state[2:2 + n], state[2 + n:]
+        x_NH, rows, ctx["handle"] = dispatcher.dispatch_postprocess(x_recv, ctx.pop("plan"))
+        y_NH = moe.compute_experts(x_NH, rows)
+        y_send, ctx["combine_a2a"] = dispatcher.combine_preprocess(y_NH, ctx["handle"])
+        extra = (moe.shared(shared_in[0]),) if shared_in else ()
+        return (h.view_as(h), y_send, *(t.view_as(t) for t in slots), *extra)
+
+    def combine(state: Tensors) -> Tensors:  # unpermute with the gate weights, residual
+        n = len(ctx["slots"])
+        h, y_recv, slots, extra = state[0], state[1], state[2:2 + n], state[2 + n:]
+        handle = _replace_tensors(ctx["handle"], dict(zip(map(id, ctx["slots"]), slots)))
+        out = dispatcher.combine_postprocess(y_recv, handle)
+        if extra:
+            out = out + extra[0]
+        ctx.clear()
+        return (h + out.view(h.shape),)
+
+    return [(f"dispatch{index}", dispatch),
+            (f"dispatch_a2a{index}", CommPiece(1, lambda: ctx.pop("dispatch_a2a"))),
+            (f"experts{index}", experts),
+            (f"combine_a2a{index}", CommPiece(1, lambda: ctx.pop("combine_a2a"))),
+            (f"combine{index}", combine)]
 
 
 def _children(obj: Any):
