@@ -1,5 +1,6 @@
-"""Optimizers: ZeRO-1 distributed AdamW over the data-parallel groups."""
+"""Optimizers over DataParallel: ZeRO-1 distributed AdamW, or AdamW replicated on every rank."""
 
 from moetron.optim.distributed import DistributedOptimizer
+from moetron.optim.replicated import ReplicatedAdamW
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "ReplicatedAdamW"]

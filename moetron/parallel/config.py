@@ -29,6 +29,12 @@ class ParallelConfig:
     etp=None means "same as tp" (Megatron-Core's default). sp=True with tp=1 is accepted and
     does nothing: sequence parallel shards activations over the TP group, so a recipe that enables
     it must still run on one process (tiny proxies, tests) without toggling a second field.
+
+    distributed_optimizer=True (default) shards AdamW's state over the data-parallel ranks
+    (ZeRO-1: gradients reduce-scattered, parameters all-gathered after the step); False keeps
+    a full replica of the optimizer on every rank over all-reduced gradients, which costs
+    memory but no parameter all-gather. Both give the same numbers; with one data-parallel
+    replica (or one process) the choice changes nothing.
     """
 
     tp: int = 1
@@ -44,6 +50,7 @@ class ParallelConfig:
     dispatcher: str = "alltoall"  # MoE token dispatcher under EP: alltoall, allgather, flex
     fb_overlap: str = "off"  # DualPipe(V) F&B pairs: off, layer, or moe (attention/dispatch/experts/combine)
     flex_backend: str = "torch"  # backend of the flex dispatcher: torch, deepep, nvshmem
+    distributed_optimizer: bool = True  # ZeRO-1 over data parallel; False: replicated AdamW
 
     def __post_init__(self) -> None:
         if self.etp is None:
@@ -52,6 +59,9 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if not isinstance(self.distributed_optimizer, bool):
+            raise ValueError(f"distributed_optimizer={self.distributed_optimizer!r} must be true or false "
+                             "(true: ZeRO-1 sharded AdamW, false: AdamW replicated on every rank)")
         if self.vpp > 1 and self.pp == 1:
             raise ValueError(
                 f"vpp={self.vpp} needs pipeline parallelism: virtual stages interleave across "

@@ -23,7 +23,7 @@ class TrainingRun:
     recipe: Recipe
     ps: ParallelState
     model: MoETransformer
-    optimizer: object  # torch.optim.AdamW (one process) or moetron's DistributedOptimizer
+    optimizer: object  # torch.optim.AdamW (one process), DistributedOptimizer or ReplicatedAdamW
     ddp: object | None = None  # DataParallel when world > 1
     schedule: object | None = None  # PipelineSchedule when pp > 1
     stages: list | None = None  # this rank's PipelineStageModules when pp > 1
@@ -117,7 +117,7 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
         _apply_fp8(model, t)
         return TrainingRun(recipe, ps, model, build_optimizer(model, recipe))
 
-    from moetron.optim import DistributedOptimizer
+    from moetron.optim import DistributedOptimizer, ReplicatedAdamW
     from moetron.parallel.data_parallel import DataParallel
     from moetron.parallel.parallelize import expert_parallelize, tensor_parallelize
 
@@ -136,7 +136,9 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
     if ps.pp.size > 1:
         schedule, stages = _pipeline(recipe, model, ps, log)
         trained = nn.ModuleList(stages)
-    ddp = DataParallel(trained, ps, use_distributed_optimizer=True)
-    optimizer = DistributedOptimizer(ddp, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
-                                     max_grad_norm=t.grad_clip)
+    # parallel.distributed_optimizer: ZeRO-1 (reduce-scatter, sharded state, all-gather) or a full
+    # AdamW replica per rank over all-reduced gradients; the trainer drives both the same way.
+    ddp = DataParallel(trained, ps, use_distributed_optimizer=p.distributed_optimizer)
+    kind = DistributedOptimizer if p.distributed_optimizer else ReplicatedAdamW
+    optimizer = kind(ddp, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, max_grad_norm=t.grad_clip)
     return TrainingRun(recipe, ps, model, optimizer, ddp, schedule, stages)
