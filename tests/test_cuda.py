@@ -238,3 +238,25 @@ def test_flex_low_latency_round_trip_in_a_cuda_graph(nccl_world):
         want = (w.unsqueeze(-1) * x.float().unsqueeze(1)).sum(1)
         assert int(counts.sum()) == T * k
         assert _rel(out.float(), want) < 1e-2, seed
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_dropless_permute_round_trip_never_waits_for_the_host(impl):
+    """Dropless permute -> unpermute (forward and backward) with CUDA's sync debug mode set to error."""
+    from moetron.dispatch.permute import permute, unpermute
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    T, H, E, k = 512, 256, 32, 4
+    x = torch.randn(T, H, device=DEV, generator=g).requires_grad_()
+    idx = torch.rand(T, E, device=DEV, generator=g).topk(k, dim=-1).indices
+    w = torch.rand(T, k, device=DEV, generator=g).requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        x_NH, state = permute(x, idx, E, impl=impl, deterministic=True, dropless=True)
+        out = unpermute(x_NH * 2.0, state, w, impl=impl, deterministic=True)
+        out.backward(torch.ones_like(out))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = 2.0 * w.detach().sum(-1, keepdim=True) * x.detach()
+    assert _rel(out.detach(), want) < 1e-6

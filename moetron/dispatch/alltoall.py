@@ -111,7 +111,7 @@ class AllToAllDispatcher:
         """Permute into send order and agree on the split sizes (the one host sync)."""
         if self.pad_to_capacity and routing.capacity is not None:
             return self._preprocess_padded(x_TH, routing)
-        x_NH, token_state = permute(x_TH, routing.topk_idx, self.num_experts)
+        x_NH, token_state = permute(x_TH, routing.topk_idx, self.num_experts, dropless=routing.capacity is None)
         counts = self._exchange_counts(token_state.rows_per_expert)  # the one host sync
         El = self.num_local_experts
         mine, received = counts[:self.num_experts], counts[self.num_experts:]
@@ -135,7 +135,8 @@ class AllToAllDispatcher:
         expert_of_row = torch.arange(El, device=x_NH.device).repeat(self.etp * self.ep)
         expert_of_row = expert_of_row.repeat_interleave(
             torch.tensor(plan.received, device=x_NH.device), output_size=x_NH.shape[0])
-        x_NH, regroup_state = permute(x_NH, expert_of_row.unsqueeze(1), El, pad_multiple=self.pad_multiple)
+        x_NH, regroup_state = permute(x_NH, expert_of_row.unsqueeze(1), El, pad_multiple=self.pad_multiple,
+                                       dropless=True)
         handle = AllToAllHandle(plan.token_state, plan.topk_weights, plan.send_splits, plan.recv_splits,
                                 plan.etp_rows, regroup_state)
         return x_NH, regroup_state.rows_per_expert, handle

@@ -127,7 +127,8 @@ class LocalDispatcher:
     def dispatch(self, x_TH: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, Any]:
         x_NH, state = permute(x_TH, routing.topk_idx, self.num_experts,
                               pad_multiple=self.pad_multiple,
-                              pad_to=routing.capacity if self.pad_to_capacity else None)
+                              pad_to=routing.capacity if self.pad_to_capacity else None,
+                              dropless=routing.capacity is None)
         return x_NH, state.rows_per_expert, (state, routing.topk_weights)
 
     def combine(self, y_NH: torch.Tensor, handle: tuple[PermuteState, torch.Tensor]) -> torch.Tensor:

@@ -74,13 +74,22 @@ def check_permute_args(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_expert
 
 
 def routing_plan(topk_idx_TK: torch.Tensor, num_experts: int, pad_multiple: int = 1,
-                 pad_to: int | None = None) -> PermuteState:
-    """Where every slot goes (torch ops, any device). Dropless routing never syncs with the host."""
+                 pad_to: int | None = None, dropless: bool | None = None) -> PermuteState:
+    """Where every slot goes (torch ops, any device).
+
+    `dropless=True` promises no -1 in `topk_idx_TK` (routing without capacity): then, without
+    padding to a multiple, nothing here waits for the device. `None` checks (one host sync).
+    """
     T, K = topk_idx_TK.shape
-    has_drops = bool((topk_idx_TK < 0).any()) if topk_idx_TK.numel() else False
+    if dropless is None:
+        has_drops = bool((topk_idx_TK < 0).any()) if topk_idx_TK.numel() else False
+    else:
+        has_drops = not dropless
     order = _sort_slots(topk_idx_TK, num_experts, has_drops)
     token_idx = torch.div(order, K, rounding_mode="floor")
-    counts = torch.bincount(topk_idx_TK.reshape(-1)[order], minlength=num_experts)
+    # scatter_add, not bincount: bincount reads its input's maximum on the host
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=order.device).scatter_add_(
+        0, topk_idx_TK.reshape(-1)[order], torch.ones_like(order))
     kept = torch.arange(order.numel(), device=order.device)
     if pad_multiple == 1 and pad_to is None:
         state = PermuteState(token_idx, order, T, counts, topk=K)
@@ -112,12 +121,14 @@ def permute(
     pad_to: int | None = None,
     impl: str | None = None,
     deterministic: bool | None = None,
+    dropless: bool | None = None,
 ) -> tuple[torch.Tensor, PermuteState]:
     """Gather rows of `x_TH` by routing. Returns `(x_NH, state)`.
 
     `pad_multiple` pads each expert's rows with zeros to a multiple (FP8 grouped
     GEMMs need 16); `pad_to` pads every expert to exactly that many rows (capacity
-    padding). Dropless routing (no -1) never synchronises with the host.
+    padding). `dropless=True` promises no -1 slots, which spares the torch / Triton plan its
+    one host sync (the check for dropped slots).
     `impl` picks the implementation (see `permute_kernels`); `deterministic` makes the
     backward (a sum over each token's k slots) run in a fixed order.
     """
@@ -127,7 +138,9 @@ def permute(
     topk_idx_TK = topk_idx_TK.long()
     impl, deterministic = permute_kernels.resolve(impl, deterministic, x_TH.device)
     if impl == "torch":
-        state = routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to)
+        state = routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to, dropless)
+    elif impl == "triton":
+        state = routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to, dropless)  # torch ops on the GPU
     else:
         state = permute_kernels.kernels_for(impl).routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to)
     state.impl, state.deterministic = impl, deterministic
