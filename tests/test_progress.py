@@ -20,7 +20,8 @@ def _metrics(rng: random.Random, step: int) -> dict:
     return {"step": step, "loss": rng.uniform(1, 5), "lm_loss": rng.uniform(1, 5), "mtp_loss": rng.uniform(1, 5),
             "seq_aux_loss": rng.uniform(0, 0.1), "grad_norm": rng.uniform(0, 3), "lr": rng.uniform(1e-5, 1e-3),
             "tokens_per_s": rng.uniform(100, 1e4), "tflops": rng.uniform(0, 1), "max_over_mean_load": None,
-            "load": {"layer1": {"max_over_mean": rng.uniform(1, 2), "dropped": 0.0}}}
+            "dropped_fraction": None, "skipped": False, "skipped_steps": 0,
+            "moe_load": {"layer1": {"max_over_mean": rng.uniform(1, 2), "dropped_fraction": 0.0}}}
 
 
 def test_format_duration():
@@ -90,6 +91,22 @@ def test_metrics_logger_writes_json_lines_and_log_lines(tmp_path):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(8))
 
 
+def test_a_skipped_step_is_strict_json_and_flagged(tmp_path):
+    m = {**_metrics(random.Random(3), 4), "loss": float("nan"), "grad_norm": float("inf"), "skipped": True,
+         "skipped_steps": 2, "max_over_mean_load": 1.75, "dropped_fraction": 0.125,
+         "moe_load": {"layer1": {"max_over_mean": 1.75, "dropped_fraction": float("nan")}}}
+    path, lines = tmp_path / "m.jsonl", []
+    with MetricsLogger(9, start_step=4, metrics_file=path, log=lines.append, stream=io.StringIO()) as logger:
+        logger.log_step(m)
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    row = json.loads(text)
+    assert row["loss"] is None and row["grad_norm"] is None and row["moe_load"]["layer1"]["dropped_fraction"] is None
+    assert row["lm_loss"] == m["lm_loss"] and row["skipped_steps"] == 2
+    assert lines[0].startswith("step    5/9 | loss nan |")
+    assert lines[0].endswith("load max/mean 1.75 | dropped 12.5% | SKIPPED")
+
+
 def test_metrics_logger_on_a_terminal_and_disabled(tmp_path):
     rng = random.Random(1)
     lines, tty = [], FakeTTY()
@@ -119,8 +136,8 @@ def test_scalar_items_flatten_and_skip_non_numbers():
     import torch
 
     m = {"step": 3, "loss": 2.5, "lr": 1e-3, "note": "x", "none": None, "flag": True,
-         "load": {"layer0": {"max_over_mean": 1.5}, "layer1": {}}, "t": torch.tensor(0.25)}
-    assert dict(scalar_items(m)) == {"loss": 2.5, "lr": 1e-3, "load/layer0/max_over_mean": 1.5, "t": 0.25}
+         "moe_load": {"layer0": {"max_over_mean": 1.5}, "layer1": {}}, "t": torch.tensor(0.25)}
+    assert dict(scalar_items(m)) == {"loss": 2.5, "lr": 1e-3, "moe_load/layer0/max_over_mean": 1.5, "t": 0.25}
 
 
 def test_missing_tensorboard_is_named(tmp_path, monkeypatch):
@@ -143,10 +160,11 @@ def test_tensorboard_scalars_read_back(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"loss", "lm_loss", "mtp_loss", "grad_norm", "lr", "tokens_per_s", "load/layer1/max_over_mean"} <= tags
+    assert {"loss", "lm_loss", "mtp_loss", "grad_norm", "lr", "tokens_per_s", "moe_load/layer1/max_over_mean",
+            "moe_load/layer1/dropped_fraction", "skipped_steps"} <= tags
     assert "step" not in tags and "max_over_mean_load" not in tags  # the x-axis, and a None
-    for tag in ("loss", "lr", "load/layer1/max_over_mean"):
+    for tag in ("loss", "lr", "moe_load/layer1/max_over_mean"):
         got = [(e.step, e.value) for e in events.Scalars(tag)]
-        want = [(m["step"], m[tag] if "/" not in tag else m["load"]["layer1"]["max_over_mean"]) for m in rows]
+        want = [(m["step"], m[tag] if "/" not in tag else m["moe_load"]["layer1"]["max_over_mean"]) for m in rows]
         assert [s for s, _ in got] == [s for s, _ in want]
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6)

@@ -9,7 +9,9 @@ from moetron.cli import main
 from moetron.model.model import MoETransformer
 from moetron.model.size import model_size
 from moetron.recipes import RECIPES, apply_overrides, get_recipe
+from moetron.train import trainer
 from moetron.train.data import TokenBatches, stdlib_corpus
+from moetron.train.setup import build_run
 from moetron.train.trainer import train
 
 SMALL = ["model.num_layers=2", "train.seq_len=32", "train.micro_batch_size=4", "train.log_every=100"]
@@ -59,19 +61,63 @@ def test_batches_are_deterministic_shifted_and_real_text():
 
 @pytest.mark.parametrize("name", ["qwen3-moe-tiny", "deepseek-v3-tiny"])
 def test_training_reduces_loss_and_writes_metrics(name, tmp_path):
+    """30 steps: the mean LM loss of the last 5 is well below that of the first 5 (a run with
+    lr=1e-9, i.e. a trainer that does not update, moves it by under 0.05 nats)."""
     metrics = tmp_path / "m.jsonl"
-    recipe = apply_overrides(get_recipe(name), SMALL + ["train.steps=14", "train.warmup_steps=3",
-                                                        f"train.metrics_file={metrics}", "train.grad_accum=2"])
+    recipe = apply_overrides(get_recipe(name), SMALL + ["train.steps=30", "train.warmup_steps=3",
+                                                        f"train.metrics_file={metrics}"])
     history = train(recipe, log=lambda s: None)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert len(rows) == 14 and rows[-1]["step"] == 13
-    for key in ("step", "loss", "lm_loss", "grad_norm", "lr", "tokens_per_s"):
+    assert len(rows) == 30 and rows[-1]["step"] == 29
+    for key in ("step", "loss", "lm_loss", "grad_norm", "lr", "tokens_per_s", "max_over_mean_load",
+                "dropped_fraction", "skipped_steps"):
         assert key in rows[0]
-    first = sum(h["lm_loss"] for h in history[:3]) / 3
-    last = sum(h["lm_loss"] for h in history[-3:]) / 3
-    assert last < first - 0.3, (first, last)
+    moe_layers = [f"layer{i}" for i in range(2) if recipe.model.is_moe_layer(i)]
+    moe_layers += [f"mtp{d + 1}" for d in range(recipe.model.num_mtp_layers)]
+    assert sorted(rows[0]["moe_load"]) == sorted(moe_layers)
+    first = sum(h["lm_loss"] for h in history[:5]) / 5
+    last = sum(h["lm_loss"] for h in history[-5:]) / 5
+    assert last < first - 0.5, (first, last)
     if name == "deepseek-v3-tiny":
         assert "mtp_loss" in rows[0] and "seq_aux_loss" in rows[0]
+
+
+def test_load_metrics_match_the_routing_of_every_micro_batch(monkeypatch):
+    """`moe_load` per layer, recomputed here from each micro-batch's routed expert indices
+    (-1 = dropped by capacity): counts summed over the step's micro-batches, then max/mean."""
+    routed = {}  # decoder layer -> topk_idx of every router call, in order
+
+    def build_and_watch(recipe, log):
+        run = build_run(recipe, log)
+        for i, layer in enumerate(run.model.layers):
+            if layer.is_moe:
+                routed[i] = []
+                layer.mlp.router.register_forward_hook(
+                    lambda mod, args, out, i=i: routed[i].append(out[0].topk_idx.detach().clone()))
+        return run
+
+    monkeypatch.setattr(trainer, "build_run", build_and_watch)
+    accum = 3
+    recipe = apply_overrides(get_recipe("qwen3-moe-tiny"),
+                             SMALL + ["train.steps=2", f"train.grad_accum={accum}", "model.capacity_factor=1.0"])
+    history = train(recipe, log=lambda s: None)
+    E = recipe.model.num_experts
+    dropped_somewhere = False
+    for step, metrics in enumerate(history):
+        assert sorted(metrics["moe_load"]) == [f"layer{i}" for i in sorted(routed)]
+        for i, calls in routed.items():
+            idx = torch.cat([c.reshape(-1) for c in calls[step * accum:(step + 1) * accum]]).tolist()
+            counts = [idx.count(e) for e in range(E)]
+            mean = sum(counts) / E
+            got = metrics["moe_load"][f"layer{i}"]
+            assert got["max_over_mean"] == pytest.approx(max(counts) / mean, rel=1e-12)
+            assert got["dropped_fraction"] == pytest.approx(idx.count(-1) / len(idx), rel=1e-12)
+            dropped_somewhere |= idx.count(-1) > 0
+        worst = max(s["max_over_mean"] for s in metrics["moe_load"].values())
+        assert metrics["max_over_mean_load"] == worst
+        assert metrics["dropped_fraction"] == max(s["dropped_fraction"] for s in metrics["moe_load"].values())
+    assert dropped_somewhere  # capacity_factor=1.0 really drops, so dropped_fraction is tested
+    assert all(len(c) == accum * len(history) for c in routed.values())  # one router call per micro-batch
 
 
 def test_runs_are_reproducible():

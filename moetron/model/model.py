@@ -135,6 +135,36 @@ class MoETransformer(nn.Module):
         for layer in self.moe_layers():
             layer.update_expert_bias(group)
 
-    def load_stats(self) -> dict[int, dict[str, float]]:
-        """Load statistics of the last forward, keyed by decoder layer index."""
-        return {i: l.mlp.stats() for i, l in enumerate(self.layers) if l.is_moe}
+    def moe_layers_by_index(self) -> dict[int, MoELayer]:
+        """MoE layers by decoder-layer index; MTP depth d's layer is `num_layers + d - 1` (as in HF)."""
+        layers = [*self.layers, *(m.layer for m in self.mtp)]
+        return {layer.layer_idx: layer.mlp for layer in layers if layer.is_moe}
+
+    def load_stats(self, group=None, *, accumulated: bool = False) -> dict[int, dict[str, float]]:
+        """Load statistics per MoE layer, keyed by `moe_layers_by_index`.
+
+        Default: each decoder layer's last forward, local to this rank (`MoELayer.stats`).
+        `accumulated=True`: every forward since `reset_load_stats()` (a step's micro-batches),
+        `{"max_over_mean", "dropped_fraction"}` per layer, with the counts first summed over
+        `group` (collective: every rank of it must call, with the same model structure).
+        Summing over the world gives the global step under any layout: a rank adds zeros for
+        the layers it does not run (pipeline), and its own tokens for those it does. Layers
+        that routed no token are left out.
+        """
+        if not accumulated:
+            return {i: l.mlp.stats() for i, l in enumerate(self.layers) if l.is_moe}
+        from moetron.moe.layer import _sum_over, load_summary
+
+        layers = self.moe_layers_by_index()
+        if not layers:
+            return {}
+        totals = torch.stack([layer.load_totals() for layer in layers.values()])
+        _sum_over(totals, group)
+        rows = totals.cpu()  # one device sync for every layer
+        stats = {i: load_summary(row) for i, row in zip(layers, rows)}
+        return {i: s for i, s in stats.items() if s}
+
+    def reset_load_stats(self) -> None:
+        """Start a new accumulation for `load_stats(accumulated=True)` (the trainer: every step)."""
+        for layer in self.moe_layers_by_index().values():
+            layer.reset_load_totals()

@@ -80,6 +80,10 @@ class MoELayer(nn.Module):
         self.last_tokens_per_expert: torch.Tensor | None = None
         self.last_dropped_fraction: torch.Tensor | None = None
         self.last_num_slots = 0
+        # Kept slots per expert and routed slots of every forward since reset_load_totals():
+        # a training step's load over all its micro-batches (the trainer resets it each step).
+        self._load_counts: torch.Tensor | None = None
+        self._load_slots = 0
 
     def _build_dispatcher(self, dispatcher, pad_multiple: int, flex_backend: str) -> TokenDispatcher:
         if dispatcher is not None and not isinstance(dispatcher, str):
@@ -148,6 +152,9 @@ class MoELayer(nn.Module):
         self.last_num_slots = routing.num_tokens * routing.top_k
         total = max(self.last_num_slots, 1)
         self.last_dropped_fraction = 1.0 - routing.tokens_per_expert.sum().float() / total
+        counts = self.last_tokens_per_expert
+        self._load_counts = counts.clone() if self._load_counts is None else self._load_counts + counts
+        self._load_slots += self.last_num_slots
         if self.training:
             self.pending_counts += selected_counts.float()
         return routing
@@ -221,6 +228,25 @@ class MoELayer(nn.Module):
         self.router.expert_bias += self.config.bias_update_rate * torch.sign(counts.mean() - counts)
         return counts
 
+    @torch.no_grad()
+    def discard_pending_counts(self) -> None:
+        """Forget the routing counts since the last bias update (a skipped step updates no bias)."""
+        self.pending_counts.zero_()
+        self.router.reset_global_counts()
+
+    def load_totals(self) -> torch.Tensor:
+        """`[E + 1]` float64: kept slots per expert, then routed slots, since `reset_load_totals()`.
+
+        This rank's tokens only; sum it over ranks to get a global step's load (`load_summary`).
+        """
+        if self._load_counts is None:
+            return torch.zeros(self.config.num_experts + 1, dtype=torch.float64, device=self.router.weight.device)
+        slots = self._load_counts.new_tensor([self._load_slots])
+        return torch.cat([self._load_counts, slots]).double()
+
+    def reset_load_totals(self) -> None:
+        self._load_counts, self._load_slots = None, 0
+
     def stats(self, group=None) -> dict[str, float]:
         """Load of the last forward: max and mean tokens per expert, and the dropped fraction.
 
@@ -241,6 +267,23 @@ class MoELayer(nn.Module):
         return {"max_load": counts.max().item(), "mean_load": mean,
                 "max_over_mean": counts.max().item() / mean if mean else 0.0,
                 "dropped_fraction": dropped}
+
+
+def load_summary(totals) -> dict[str, float]:
+    """`{"max_over_mean", "dropped_fraction"}` of `load_totals()` (summed over ranks or not).
+
+    max_over_mean: the busiest expert's kept slots over the mean per expert (1.0 = perfectly
+    balanced); dropped_fraction: the routed slots that capacity dropped. Both are ratios, so
+    ranks routing copies of the same tokens (tensor parallel without sequence parallel) change
+    neither. `{}` when no token was routed. A list or a CPU tensor avoids device syncs.
+    """
+    values = totals.tolist() if isinstance(totals, torch.Tensor) else list(totals)
+    counts, slots = values[:-1], values[-1]
+    if slots <= 0:
+        return {}
+    mean = sum(counts) / len(counts)
+    return {"max_over_mean": max(counts) / mean if mean else 0.0,
+            "dropped_fraction": 1.0 - sum(counts) / slots}
 
 
 def _sum_over(t: torch.Tensor, groups) -> None:

@@ -32,6 +32,10 @@ class TrainConfig:
     export_hf: str | None = None  # after the last step, write the final checkpoint here as a hub folder
     fp8: str | None = None  # FP8 recipe for linear layers and experts: tensorwise, delayed, blockwise
     fp8_backend: str = "auto"  # auto, emulate, torch (torch._scaled_mm), te (Transformer Engine)
+    dtype: str = "fp32"  # parameters: fp32, or bf16 (with fp32 gradients, master weights and moments)
+    device: str = "auto"  # auto (this rank's GPU when CUDA is available, else the CPU), cpu, cuda
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: "stop" (raise) or "skip" the update
+    collective_timeout_s: float = 1800.0  # how long a collective waits for a dead or stuck rank
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "micro_batch_size", "grad_accum", "log_every"):
@@ -50,6 +54,16 @@ class TrainConfig:
             raise ValueError("TrainConfig.resume=true needs train.save_dir")
         if self.warmup_steps < 0:
             raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"TrainConfig.dtype={self.dtype!r}: choose fp32 or bf16")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"TrainConfig.device={self.device!r}: choose auto, cpu or cuda")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"TrainConfig.on_nonfinite={self.on_nonfinite!r}: choose 'stop' (raise an error "
+                             "naming the step and rank) or 'skip' (drop that step's update and go on)")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"TrainConfig.collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds a "
+                             "collective waits for the other ranks before failing)")
         if self.fp8 is not None and self.fp8 not in ("tensorwise", "delayed", "blockwise"):
             raise ValueError(f"TrainConfig.fp8={self.fp8!r}: choose tensorwise, delayed or blockwise (or null)")
         if self.data != "builtin":

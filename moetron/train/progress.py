@@ -3,7 +3,8 @@
 `ProgressBar` draws one self-overwriting line on a terminal (only when its stream is a TTY;
 otherwise it draws nothing and the caller's plain log lines are the whole output, which is
 what a log file or CI wants). `MetricsLogger` is what the trainer calls once per step with
-the step's metrics dict: it writes the JSON-lines metrics file, TensorBoard scalars (when
+the step's metrics dict: it writes the JSON-lines metrics file (strict JSON: a NaN or inf,
+e.g. the loss of a skipped step, is written as null), TensorBoard scalars (when
 `tensorboard_dir` is set), prints a log line every `log_every` steps above the bar, and
 advances the bar; `write(line)` prints any other message without tearing the bar.
 
@@ -23,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Callable, TextIO
 
-__all__ = ["ProgressBar", "MetricsLogger", "format_metrics", "format_duration", "require_tensorboard",
-           "scalar_items"]
+__all__ = ["ProgressBar", "MetricsLogger", "format_metrics", "format_duration", "json_safe",
+           "require_tensorboard", "scalar_items"]
 
 
 def format_duration(seconds: float) -> str:
@@ -145,7 +146,23 @@ def format_metrics(m: dict, steps: int) -> str:
         parts.append(f"mfu {m['mfu'] * 100:.1f}%")
     if m.get("max_over_mean_load"):
         parts.append(f"load max/mean {m['max_over_mean_load']:.2f}")
+    if m.get("dropped_fraction"):
+        parts.append(f"dropped {m['dropped_fraction'] * 100:.1f}%")
+    if m.get("skipped"):
+        parts.append("SKIPPED")
     return " | ".join(parts)
+
+
+def json_safe(value):
+    """`value` with NaN/inf floats as None (null), nested dicts and lists included: strict JSON,
+    which `json.dumps` alone would not write (it emits bare NaN / Infinity tokens)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def scalar_items(metrics: dict, prefix: str = ""):
@@ -215,7 +232,7 @@ class MetricsLogger:
             return
         step = int(metrics["step"])
         if self._file is not None:
-            self._file.write(json.dumps(metrics) + "\n")
+            self._file.write(json.dumps(json_safe(metrics), allow_nan=False) + "\n")
             self._file.flush()
         if self._writer is not None:
             for tag, value in scalar_items(metrics):

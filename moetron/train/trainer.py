@@ -3,6 +3,12 @@
 The same loop runs one process or any layout launched with torchrun: `setup.build_run`
 shards the model, and each step either accumulates micro-batches through the model
 (data / tensor / expert parallel) or runs the pipeline schedule over them.
+
+Failures: a NaN/inf loss (on any rank) or gradient norm is agreed on by every rank in one
+small all-reduce, then `train.on_nonfinite` stops the run on every rank (an error naming the
+step and ranks) or skips the step's update. A collective that fails because another rank died
+or hangs (after `train.collective_timeout_s`) raises a `CollectiveError` naming the collective,
+the step and the phase.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -17,6 +24,7 @@ import torch.distributed as dist
 
 from moetron.model.size import model_size, training_flops_per_token
 from moetron.moe import balancing
+from moetron.parallel.state import collective_failures, init_process_group_from_env
 from moetron.recipes.recipe import Recipe
 from moetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from moetron.train.data import BYTE_VOCAB, TokenBatches, stdlib_corpus
@@ -31,7 +39,7 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
     t = recipe.train
     if recipe.model.vocab_size < BYTE_VOCAB and t.data == "builtin":
         raise ValueError(f"model.vocab_size={recipe.model.vocab_size}: the built-in byte data needs >= {BYTE_VOCAB}")
-    run = build_run(recipe, log)
+    run, hint = _start(recipe, log)
     say = log if run.is_main else (lambda s: None)
     dp = run.data_rank[1]
     if t.data == "builtin":
@@ -60,21 +68,56 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
     logger = MetricsLogger(t.steps, start_step=start, log_every=t.log_every, metrics_file=t.metrics_file,
                            tensorboard_dir=t.tensorboard_dir, log=log, enabled=run.is_main)
     history = []
+    skipped = 0
     try:
         run.model.train()
         for step in range(start, t.steps):
-            history.append(_train_step(run, data, step, flops_per_token))
-            logger.log_step(history[-1])
+            guard = _guard(run, hint, step)
+            metrics = _train_step(run, data, step, flops_per_token, guard)
+            if metrics["skipped"]:
+                skipped += 1
+                logger.write(f"warning: step {step + 1}/{t.steps} skipped (train.on_nonfinite=skip): "
+                             f"{metrics['nonfinite']}; no update")
+            metrics["skipped_steps"] = skipped
+            history.append(metrics)
+            logger.log_step(metrics)
             done = step + 1
             if t.save_dir and ((t.save_every and done % t.save_every == 0) or done == t.steps):
-                saved = save_checkpoint(t.save_dir, done, run.model, run.optimizer, recipe,
-                                        parallel_state=run.ps, modules=run.stages)
+                with guard("while saving the checkpoint after the end"):
+                    saved = save_checkpoint(t.save_dir, done, run.model, run.optimizer, recipe,
+                                            parallel_state=run.ps, modules=run.stages)
                 logger.write(f"saved {saved}")
     finally:
         logger.close()
     if t.export_hf:
         _export_hf(run, t, say)
     return history
+
+
+def _start(recipe: Recipe, log) -> tuple[TrainingRun, str]:
+    """Process groups that wait at most `train.collective_timeout_s`, then `build_run`.
+
+    torch.distributed is initialised here, with the timeout, so build_run only builds the groups
+    (which inherit it); groups of an already-initialised world get it too. Returns the run and
+    the hint that failed-collective errors carry.
+    """
+    seconds = recipe.train.collective_timeout_s
+    timeout = timedelta(seconds=seconds)
+    init_process_group_from_env(recipe.parallel, timeout=timeout)
+    hint = (f"Collectives wait train.collective_timeout_s={seconds:g} s for the other ranks; a rank that "
+            "raised or was killed shows the cause in its own log.")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with collective_failures("while setting up the run", rank=rank, hint=hint):
+        run = build_run(recipe, log)
+    run.ps.set_timeout(timeout)
+    return run, hint
+
+
+def _guard(run: TrainingRun, hint: str, step: int):
+    """`guard(where)`: a context in which a failed collective raises an error naming `where`,
+    the step and this rank (`moetron.parallel.state.collective_failures`)."""
+    steps = run.recipe.train.steps
+    return lambda where: collective_failures(f"{where} of step {step + 1}/{steps}", rank=run.ps.rank, hint=hint)
 
 
 def _export_hf(run: TrainingRun, t, say) -> None:
@@ -129,13 +172,53 @@ def _mean_over_replicas(run: TrainingRun, sums: dict[str, float], tokens: int) -
     if run.ps.dp.size == 1:
         return sums, tokens
     names = sorted(sums)
-    values = torch.tensor([sums[n] for n in names] + [float(tokens)], dtype=torch.float64)
+    values = torch.tensor([sums[n] for n in names] + [float(tokens)], dtype=torch.float64, device=_device(run))
     dist.all_reduce(values, group=run.ps.dp.handle)
     values[:-1] /= run.ps.dp.size
-    return dict(zip(names, values[:-1].tolist())), int(values[-1])
+    values = values.tolist()
+    return dict(zip(names, values[:-1])), int(values[-1])
 
 
-def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token: float) -> dict:
+def _device(run: TrainingRun) -> torch.device:
+    """Where this rank's collectives of small host values go (NCCL needs a CUDA tensor)."""
+    return next(run.model.parameters()).device
+
+
+def _nonfinite_ranks(run: TrainingRun, sums: dict[str, float]) -> list[int]:
+    """Ranks whose step losses include a NaN/inf, the same list on every rank (a world all-reduce),
+    so that every rank stops or skips together and none is left waiting in a collective."""
+    local = not all(math.isfinite(v) for v in sums.values())
+    if run.ps.world_size == 1:
+        return [0] if local else []
+    flags = torch.zeros(run.ps.world_size, dtype=torch.float32, device=_device(run))
+    flags[run.ps.rank] = float(local)
+    dist.all_reduce(flags, group=run.ps.world.handle)
+    return [r for r, flag in enumerate(flags.tolist()) if flag]
+
+
+def _optimizer_step(run: TrainingRun) -> float:
+    """Clip and update; returns the global gradient norm (no update when it is not finite)."""
+    if run.ddp is not None:
+        return float(run.optimizer.step())  # moetron's optimizers skip a non-finite norm themselves
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.recipe.train.grad_clip))
+    if math.isfinite(grad_norm):
+        run.optimizer.step()
+    return grad_norm
+
+
+def _load_metrics(run: TrainingRun) -> dict:
+    """Per-MoE-layer load of the whole step (every micro-batch, every rank; a world all-reduce),
+    and two summaries over the layers: the worst max/mean load and the worst dropped fraction."""
+    stats = run.model.load_stats(run.ps.world, accumulated=True)
+    num_layers = run.model.config.num_layers
+    per_layer = {(f"layer{i}" if i < num_layers else f"mtp{i - num_layers + 1}"): s for i, s in stats.items()}
+    return {"max_over_mean_load": max((s["max_over_mean"] for s in stats.values()), default=None),
+            "dropped_fraction": max((s["dropped_fraction"] for s in stats.values()), default=None),
+            "moe_load": per_layer}
+
+
+def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token: float, guard) -> dict:
+    """One optimizer step; `guard(where)` turns a failed collective into an error naming `where`."""
     t = run.recipe.train
     start = time.perf_counter()
     lr = t.lr_at(step)
@@ -145,24 +228,41 @@ def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token
     balancing.set_aux_loss_scale(1.0 / (t.grad_accum * run.ps.cp.size))
     if run.ddp is not None:
         run.ddp.zero_grad()
-    sums, tokens = _forward_backward(run, data, step)
-    if run.ddp is not None:
-        run.ddp.finish_grad_sync()
-        grad_norm = float(run.optimizer.step())
+    run.model.reset_load_stats()
+    with guard("in the forward/backward pass"):
+        sums, tokens = _forward_backward(run, data, step)
+    with guard("in the gradient reduction and loss check"):
+        if run.ddp is not None:
+            run.ddp.finish_grad_sync()
+        bad_ranks = _nonfinite_ranks(run, sums)
+    problem = None
+    grad_norm = math.nan
+    if bad_ranks:
+        problem = f"the loss is not finite on rank(s) {', '.join(map(str, bad_ranks))}"
     else:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), t.grad_clip))
-        if math.isfinite(grad_norm):
-            run.optimizer.step()
+        with guard("in the optimizer step"):
+            grad_norm = _optimizer_step(run)
+        if not math.isfinite(grad_norm):
+            problem = f"the gradient norm is {grad_norm}" + (" (over all ranks)" if run.ps.world_size > 1 else "")
+    if run.ddp is None:
         run.optimizer.zero_grad(set_to_none=True)
-    if not math.isfinite(grad_norm):
-        raise FloatingPointError(f"step {step}: gradient norm is {grad_norm}; lower train.lr or check the data")
-    run.model.update_expert_bias()
-    sums, tokens = _mean_over_replicas(run, sums, tokens)
+    if problem is not None and t.on_nonfinite == "stop":
+        raise FloatingPointError(f"step {step + 1}/{t.steps} (metrics step {step}), rank {run.ps.rank}: {problem}. "
+                                 "Stopping every rank (train.on_nonfinite=stop): lower train.lr, check the data, "
+                                 "or set train.on_nonfinite=skip to skip such steps")
+    with guard("in the metrics and balancing reductions"):
+        if problem is None:
+            run.model.update_expert_bias()
+        else:  # no update of any kind: the expert bias keeps its value too
+            for layer in run.model.moe_layers():
+                layer.discard_pending_counts()
+        sums, tokens = _mean_over_replicas(run, sums, tokens)
+        loads = _load_metrics(run)
     elapsed = time.perf_counter() - start
-    loads = [s["max_over_mean"] for s in run.model.load_stats().values() if s]
     metrics = {"step": step, **sums, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / elapsed,
-               "tflops": flops_per_token * tokens / elapsed / 1e12,
-               "max_over_mean_load": max(loads) if loads else None}
+               "tflops": flops_per_token * tokens / elapsed / 1e12, **loads, "skipped": problem is not None}
+    if problem is not None:
+        metrics["nonfinite"] = problem
     if t.peak_tflops:
         metrics["mfu"] = metrics["tflops"] / (t.peak_tflops * run.ps.world_size)
     return metrics
