@@ -35,6 +35,7 @@ def _context():
 def _worker(fn, rank, world_size, port, args, init, timeout, results):
     # The same variables torchrun sets, so code under test can use init_from_env.
     os.environ.update(
+        CUDA_VISIBLE_DEVICES="",  # gloo ranks on the CPU, also on a GPU machine (train.device=auto)
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )

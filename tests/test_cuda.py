@@ -240,9 +240,10 @@ def test_flex_low_latency_round_trip_in_a_cuda_graph(nccl_world):
         assert _rel(out.float(), want) < 1e-2, seed
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["triton"])
 def test_dropless_permute_round_trip_never_waits_for_the_host(impl):
-    """Dropless permute -> unpermute (forward and backward) with CUDA's sync debug mode set to error."""
+    """Dropless permute -> unpermute (forward and backward) with CUDA's sync debug mode set to error.
+    (The torch references may sync: the deterministic one masks rows in its backward.)"""
     from moetron.dispatch.permute import permute, unpermute
 
     g = torch.Generator(device=DEV).manual_seed(3)
@@ -260,3 +261,28 @@ def test_dropless_permute_round_trip_never_waits_for_the_host(impl):
         torch.cuda.set_sync_debug_mode("default")
     want = 2.0 * w.detach().sum(-1, keepdim=True) * x.detach()
     assert _rel(out.detach(), want) < 1e-6
+
+
+# ------------------------------------------------------------------ the trainer on a GPU
+
+def _train(overrides, **kwargs):
+    from moetron.recipes import apply_overrides, get_recipe
+    from moetron.train.trainer import train
+
+    base = ["model.num_layers=2", "train.log_every=100", "train.steps=6"]
+    return [h["loss"] for h in train(apply_overrides(get_recipe("deepseek-v3-tiny"), base + overrides),
+                                     log=lambda s: None, **kwargs)]
+
+
+def test_trainer_on_cuda_matches_cpu_and_resumes(tmp_path):
+    cpu = _train(["train.device=cpu"])
+    gpu = _train(["train.device=cuda"])
+    assert all(abs(a - b) / b < 1e-4 for a, b in zip(gpu, cpu)), (gpu, cpu)
+    bf16 = _train(["train.device=cuda", "train.dtype=bf16"])
+    assert all(abs(a - b) / b < 2e-2 for a, b in zip(bf16, cpu)), (bf16, cpu)
+    assert bf16[-1] < bf16[0] - 0.2
+    full = _train(["train.device=cuda", f"train.save_dir={tmp_path / 'a'}", "train.save_every=3"])
+    _train(["train.device=cuda", f"train.save_dir={tmp_path / 'b'}", "train.steps=3"])
+    rest = _train(["train.device=cuda", f"train.save_dir={tmp_path / 'b'}", "train.resume=true"])
+    print(f"trainer on CUDA: cpu {cpu}\n gpu {gpu}\n bf16 {bf16}\n resumed {rest} vs {full[3:]}")
+    assert rest == full[3:]

@@ -361,7 +361,7 @@ def _write_entry(f, e: Entry, path, on_bytes) -> int:
     for chunk in chunks:
         if chunk.dtype != e.dtype:
             raise RuntimeError(f"{path}: key {e.key!r} planned as {e.dtype}, produced {chunk.dtype}")
-        data = chunk.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        data = chunk.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()  # GPU tensors too
         del chunk
         n = data.nbytes
         written += n

@@ -112,7 +112,7 @@ class _TorchOptimizer:
             state = {"step": torch.tensor(float(step))}
             for slot in reader.slots(name):
                 if slot != "master":
-                    state[slot] = read_local(reader, self.local[name], slot, dtype=p.dtype)
+                    state[slot] = read_local(reader, self.local[name], slot, dtype=p.dtype).to(p.device)
             self.opt.state[p] = state
 
 

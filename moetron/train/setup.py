@@ -1,8 +1,14 @@
 """Build what a run needs from a recipe: process groups, the (parallel) model, optimizer, pipeline.
 
-One code path for every layout. The full model is built on every rank from the same seed,
-then sharded in place (tensor / expert parallel) and cut into pipeline stages, so every
-layout starts from exactly the weights of the single-process run.
+One code path for every layout. The full model is built on every rank from the same seed (on
+the CPU), then sharded in place (tensor / expert parallel), moved to the run's device and
+dtype, and cut into pipeline stages, so every layout starts from exactly the weights of the
+single-process run.
+
+Precision: `train.dtype=fp32` trains fp32 parameters; `bf16` keeps bf16 parameters and
+gradients accumulated in fp32, with fp32 master weights and moments in the distributed
+optimizer (also in one process) - the usual mixed-precision recipe. Buffers that count or
+steer routing (expert bias, token counts) stay fp32 in both.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ class TrainingRun:
     ddp: object | None = None  # DataParallel when world > 1
     schedule: object | None = None  # PipelineSchedule when pp > 1
     stages: list | None = None  # this rank's PipelineStageModules when pp > 1
+    device: torch.device = torch.device("cpu")
 
     @property
     def is_main(self) -> bool:
@@ -98,6 +105,34 @@ def _apply_fp8(model: MoETransformer, t) -> None:
         apply_fp8(model, get_fp8_recipe(t.fp8, backend=t.fp8_backend))
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """`train.device`: "auto" is this rank's GPU (LOCAL_RANK) when CUDA is available, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("train.device=cuda but torch sees no CUDA device (a CPU build of torch, or no "
+                             "driver): use train.device=cpu or auto")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    if name != "cpu":
+        raise ValueError(f"train.device={name!r}: choose auto, cpu or cuda")
+    return torch.device("cpu")
+
+
+def _to_device(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Parameters to `dtype` on `device`; buffers keep their dtype (fp32 counts and expert bias)."""
+    model.to(device)
+    if dtype != torch.float32:
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
+
+
 def build_run(recipe: Recipe, log=print) -> TrainingRun:
     """Initialise the process groups (from torchrun's environment) and build everything."""
     t, p = recipe.train, recipe.parallel
@@ -110,27 +145,35 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
     if t.fp8 and p.tp > 1:
         raise NotImplementedError("train.fp8 with parallel.tp > 1: tensor-parallel FP8 linear layers are not "
                                   "supported yet")
+    dtype = DTYPES[t.dtype]
+    if dtype != torch.float32 and not p.distributed_optimizer:
+        raise ValueError(f"train.dtype={t.dtype} needs parallel.distributed_optimizer=true: it keeps the fp32 "
+                         "master weights that low-precision parameters need")
+    device = resolve_device(t.device)
     ps = init_from_env(p)
     torch.manual_seed(t.seed)
     model = MoETransformer(recipe.model)
-    if ps.world_size == 1:
+    if ps.world_size == 1 and dtype == torch.float32:
         _apply_fp8(model, t)
-        return TrainingRun(recipe, ps, model, build_optimizer(model, recipe))
+        _to_device(model, device, dtype)
+        return TrainingRun(recipe, ps, model, build_optimizer(model, recipe), device=device)
 
     from moetron.optim import DistributedOptimizer, ReplicatedAdamW
     from moetron.parallel.data_parallel import DataParallel
     from moetron.parallel.parallelize import expert_parallelize, tensor_parallelize
 
-    _check_layout(recipe, ps)
-    if ps.tp.size > 1:
-        tensor_parallelize(model, ps, moe_dispatcher=p.dispatcher, flex_backend=p.flex_backend)
-    else:
-        expert_parallelize(model, ps, p.dispatcher, flex_backend=p.flex_backend)
-    if ps.cp.size > 1:  # after tensor_parallelize, which replaces the model's class
-        from moetron.parallel.context_parallel import context_parallelize
+    if ps.world_size > 1:
+        _check_layout(recipe, ps)
+        if ps.tp.size > 1:
+            tensor_parallelize(model, ps, moe_dispatcher=p.dispatcher, flex_backend=p.flex_backend)
+        else:
+            expert_parallelize(model, ps, p.dispatcher, flex_backend=p.flex_backend)
+        if ps.cp.size > 1:  # after tensor_parallelize, which replaces the model's class
+            from moetron.parallel.context_parallel import context_parallelize
 
-        context_parallelize(model, ps)
+            context_parallelize(model, ps)
     _apply_fp8(model, t)
+    _to_device(model, device, dtype)  # before the pipeline syncs shared weights over the (NCCL) group
     schedule = stages = None
     trained: nn.Module = model
     if ps.pp.size > 1:
@@ -138,7 +181,7 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
         trained = nn.ModuleList(stages)
     # parallel.distributed_optimizer: ZeRO-1 (reduce-scatter, sharded state, all-gather) or a full
     # AdamW replica per rank over all-reduced gradients; the trainer drives both the same way.
-    ddp = DataParallel(trained, ps, use_distributed_optimizer=p.distributed_optimizer)
+    ddp = DataParallel(trained, ps, use_distributed_optimizer=p.distributed_optimizer, grad_dtype=torch.float32)
     kind = DistributedOptimizer if p.distributed_optimizer else ReplicatedAdamW
     optimizer = kind(ddp, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, max_grad_norm=t.grad_clip)
-    return TrainingRun(recipe, ps, model, optimizer, ddp, schedule, stages)
+    return TrainingRun(recipe, ps, model, optimizer, ddp, schedule, stages, device=device)

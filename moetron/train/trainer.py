@@ -29,7 +29,7 @@ from moetron.recipes.recipe import Recipe
 from moetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from moetron.train.data import BYTE_VOCAB, TokenBatches, stdlib_corpus
 from moetron.train.progress import MetricsLogger
-from moetron.train.setup import TrainingRun, build_optimizer, build_run
+from moetron.train.setup import TrainingRun, build_optimizer, build_run, resolve_device
 
 __all__ = ["train", "build_optimizer"]
 
@@ -103,7 +103,9 @@ def _start(recipe: Recipe, log) -> tuple[TrainingRun, str]:
     """
     seconds = recipe.train.collective_timeout_s
     timeout = timedelta(seconds=seconds)
-    init_process_group_from_env(recipe.parallel, timeout=timeout)
+    device = resolve_device(recipe.train.device)  # NCCL for GPU tensors, gloo for CPU ones
+    init_process_group_from_env(recipe.parallel, backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=timeout)
     hint = (f"Collectives wait train.collective_timeout_s={seconds:g} s for the other ranks; a rank that "
             "raised or was killed shows the cause in its own log.")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -135,7 +137,8 @@ def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[
     """Every micro-batch of this rank for `step`; returns mean losses and the token count."""
     t = run.recipe.train
     rank, dp = run.data_rank
-    batches = [data.batch(step, m * dp + rank) for m in range(t.grad_accum)]
+    batches = [tuple(x.to(run.device, non_blocking=True) for x in data.batch(step, m * dp + rank))
+               for m in range(t.grad_accum)]
     if run.schedule is not None:
         from moetron.pipeline.runtime import run_schedule
 
