@@ -286,3 +286,23 @@ def test_trainer_on_cuda_matches_cpu_and_resumes(tmp_path):
     rest = _train(["train.device=cuda", f"train.save_dir={tmp_path / 'b'}", "train.resume=true"])
     print(f"trainer on CUDA: cpu {cpu}\n gpu {gpu}\n bf16 {bf16}\n resumed {rest} vs {full[3:]}")
     assert rest == full[3:]
+
+
+def test_moe_layer_step_never_waits_for_the_host():
+    """Router + local dispatch + grouped GEMMs + combine, forward and backward, dropless:
+    no device-to-host sync (CUDA's sync debug mode raises on one)."""
+    from moetron import MoEConfig, MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=16, top_k=4,
+                               aux_loss_type="aux_loss", aux_loss_coeff=1e-2)).to(DEV, torch.bfloat16)
+    x = torch.randn(2, 128, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    layer(x)  # warm-up: kernel compilation and one-time checks may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = layer(x)
+        y.float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.grad is not None and x.grad.abs().max() > 0

@@ -22,6 +22,7 @@ class Routing:
     tokens_per_expert: torch.Tensor
     num_experts: int
     capacity: int | None = None  # slots per expert when a capacity factor is set
+    dropless: bool = False  # promised: no -1 slots (lets permute skip its check, a host sync)
 
     @property
     def num_tokens(self) -> int:
@@ -33,9 +34,18 @@ class Routing:
 
     @classmethod
     def from_topk(cls, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                  capacity: int | None = None) -> "Routing":
-        """Build a Routing from indices (-1 = dropped) and weights, counting tokens per expert."""
-        kept = topk_idx[topk_idx >= 0]
-        counts = torch.bincount(kept, minlength=num_experts)
+                  capacity: int | None = None, dropless: bool = False) -> "Routing":
+        """Build a Routing from indices (-1 = dropped) and weights, counting tokens per expert.
+        `dropless=True` promises that `topk_idx` holds no -1 (the router knows; checking would sync)."""
+        counts = count_per_expert(topk_idx, num_experts)
         weights = topk_weights.float().masked_fill(topk_idx < 0, 0.0)
-        return cls(topk_idx, weights, counts, num_experts, capacity)
+        return cls(topk_idx, weights, counts, num_experts, capacity, dropless)
+
+
+def count_per_expert(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 `[E]` count of each expert id in `topk_idx`, -1 ignored, without a host sync
+    (`torch.bincount` and boolean indexing both read a size on the host)."""
+    flat = topk_idx.reshape(-1)
+    kept = (flat >= 0).to(torch.int64)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat.clamp_min(0), kept)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetron.dispatch.routing import Routing
+from moetron.dispatch.routing import Routing, count_per_expert
 from moetron.moe import balancing
 from moetron.moe.config import MoEConfig
 
@@ -103,14 +103,14 @@ class TopKRouter(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         if cfg.scaling_factor != 1.0:
             weights = weights * cfg.scaling_factor
-        selected_counts = torch.bincount(topk_idx.reshape(-1), minlength=cfg.num_experts)
+        selected_counts = count_per_expert(topk_idx, cfg.num_experts)
 
         weights, losses = self._balancing_losses(logits_TE, topk_idx, weights, selected_counts, seq_len)
         cap = None
         if cfg.capacity_factor is not None:
             cap = capacity(x_TH.shape[0], cfg.num_experts, cfg.top_k, cfg.capacity_factor)
             topk_idx, weights = drop_over_capacity(topk_idx, weights, cfg.num_experts, cap, cfg.drop_policy)
-        return Routing.from_topk(topk_idx, weights, cfg.num_experts, cap), losses, selected_counts
+        return Routing.from_topk(topk_idx, weights, cfg.num_experts, cap, dropless=cap is None), losses, selected_counts
 
     def _balancing_losses(self, logits_TE, topk_idx, weights, counts_E, seq_len):
         cfg = self.config

@@ -48,7 +48,8 @@ class ParallelConfig:
     layout: str | None = None  # pipeline layout string (REFERENCE §3); None: balanced automatically
     schedule: str = "1f1b"  # pipeline schedule: 1f1b, interleaved, zb1p, dualpipe, dualpipev
     dispatcher: str = "alltoall"  # MoE token dispatcher under EP: alltoall, allgather, flex
-    fb_overlap: str = "off"  # DualPipe(V) F&B pairs: off, layer, or moe (attention/dispatch/experts/combine)
+    fb_overlap: str = "off"  # forward of one micro-batch with the backward of another (DualPipe(V) F&B pairs; 1F1B /
+    # interleaved pair each backward with the next forward): off, layer, or moe (attention/dispatch/experts/combine)
     flex_backend: str = "torch"  # backend of the flex dispatcher: torch, deepep, nvshmem
     distributed_optimizer: bool = True  # ZeRO-1 over data parallel; False: replicated AdamW
 

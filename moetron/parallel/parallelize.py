@@ -183,7 +183,7 @@ class TensorParallelMoELayer(MoELayer):
         else:
             idx = routing.topk_idx.chunk(tp.size, dim=0)[tp.rank]
             weights = comm.split(routing.topk_weights, tp, 0)
-        return Routing.from_topk(idx, weights, routing.num_experts, routing.capacity)
+        return Routing.from_topk(idx, weights, routing.num_experts, routing.capacity, routing.dropless)
 
     def _shared_output(self, x_BSH: torch.Tensor, x_full: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:  # x_full is already gathered: straight to the GEMMs
