@@ -1,0 +1,63 @@
+"""Where one training step's time goes: torch.profiler over a few trainer steps of a recipe.
+
+    python benchmarks/profile_step.py --recipe qwen3-moe-tiny --set train.dtype=bf16 ...
+    python benchmarks/profile_step.py --rows 30 --sort self_cpu_time_total
+
+Builds the run exactly as `moetron train` does (same overrides), runs `--warmup` steps, then
+profiles `--steps` steps and prints the op table (device time on a GPU, CPU time otherwise) and
+the split of wall time between forward+backward, gradient sync and optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--recipe", default="qwen3-moe-tiny")
+    p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--sort", default=None, help="profiler column to sort by (default: device or CPU self time)")
+    args = p.parse_args(argv)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from moetron.model.size import training_flops_per_token
+    from moetron.recipes import apply_overrides, get_recipe
+    from moetron.train import trainer
+    from moetron.train.data import TokenBatches, stdlib_corpus
+    from moetron.train.setup import build_run
+
+    recipe = apply_overrides(get_recipe(args.recipe), args.set)
+    t = recipe.train
+    run = build_run(recipe, log=print)
+    data = TokenBatches(stdlib_corpus(), t.seq_len, t.micro_batch_size, t.seed)
+    flops = training_flops_per_token(recipe.model, t.seq_len)
+    cuda = run.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    run.model.train()
+    for step in range(args.warmup):
+        trainer._train_step(run, data, step, flops, trainer._guard(run, "", step))
+    sync()
+    start = time.perf_counter()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for step in range(args.warmup, args.warmup + args.steps):
+            metrics = trainer._train_step(run, data, step, flops, trainer._guard(run, "", step))
+        sync()
+    wall = (time.perf_counter() - start) / args.steps
+    sort = args.sort or ("self_cuda_time_total" if cuda else "self_cpu_time_total")
+    print(prof.key_averages().table(sort_by=sort, row_limit=args.rows))
+    tokens = t.micro_batch_size * t.seq_len * t.grad_accum
+    print(f"{args.steps} profiled steps: {wall * 1e3:.1f} ms/step (profiler on), {tokens / wall:.0f} tok/s, "
+          f"{flops * tokens / wall / 1e12:.1f} TFLOP/s of model FLOPs; last loss {metrics['loss']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
