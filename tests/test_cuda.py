@@ -319,7 +319,7 @@ def test_distributed_optimizer_fused_cuda_step_matches_torch_adamw():
     ours = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 8)).to(DEV)
     ours.load_state_dict(ref.state_dict())
     ddp = DataParallel(ours, ParallelState.single(ParallelConfig()), use_distributed_optimizer=True)
-    opt = DistributedOptimizer(ddp, lr=1e-2, weight_decay=0.1, max_grad_norm=1.0)
+    opt = DistributedOptimizer(ddp, lr=1e-2, weight_decay=0.1, max_grad_norm=0.05)  # clips every step
     # moetron's default groups: no weight decay on 1-D parameters (biases, norms)
     ref_opt = torch.optim.AdamW([{"params": [p for p in ref.parameters() if p.dim() >= 2], "weight_decay": 0.1},
                                  {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}],
@@ -332,7 +332,7 @@ def test_distributed_optimizer_fused_cuda_step_matches_torch_adamw():
         norm = opt.step()
         ref_opt.zero_grad()
         ref(x).square().mean().backward()
-        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         ref_opt.step()
         assert abs(float(norm) - float(want)) / float(want) < 1e-5
     for a, b in zip(ours.parameters(), ref.parameters()):

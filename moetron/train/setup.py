@@ -150,6 +150,9 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
         raise ValueError(f"train.dtype={t.dtype} needs parallel.distributed_optimizer=true: it keeps the fp32 "
                          "master weights that low-precision parameters need")
     device = resolve_device(t.device)
+    from moetron.ops import set_fusion
+
+    set_fusion(t.fusion)  # process-wide: RMSNorm, SwiGLU, RoPE, cross-entropy
     ps = init_from_env(p)
     torch.manual_seed(t.seed)
     model = MoETransformer(recipe.model)
