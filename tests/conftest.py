@@ -8,3 +8,16 @@ import torch
 # Without a GPU its kernels can only run interpreted, so ask for that before any test imports them.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: several threads on a shared 2-core machine only slow them down.
+    Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

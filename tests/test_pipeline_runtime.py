@@ -37,13 +37,7 @@ MODELS = {"qwen": QWEN, "qwen_tied": {**QWEN, "tie_word_embeddings": True}, "dee
 B, S, LR, STEPS = 2, 6, 0.5, 2
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: several threads on a shared 2-core machine only slow this down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 # name: (model, schedule, microbatches, vpp, layout or None for even, run_schedule options)
 CASES_PP2 = {

@@ -41,12 +41,7 @@ FAMILIES = {"qwen": QWEN, "deepseek": DEEPSEEK, "deepseek_eager_no_qlora": {
 SETTINGS = [([m], 0) for m in MODULES] + [(list(MODULES), 0), ([], 1), (["moe_act", "layernorm"], 2)]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def data(seed=1, batch=B):

@@ -43,7 +43,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from moetron.parallel.data_parallel import (
     DataParallel, GradBuffer, ParamSlot, all_reduce_sum, counts_in_norm, sum_of_squares,

@@ -441,7 +441,6 @@ def fp8_grouped_gemm(qx: Quantized, qw: Quantized, rows_per_expert: torch.Tensor
 def fp8_grouped_wgrad(qdy: Quantized, qx: Quantized, rows_per_expert: torch.Tensor, out_dtype: torch.dtype,
                       backend: str = "auto") -> torch.Tensor:
     """`dw[e] = deq(dy[rows of e]).T @ deq(x[rows of e])` -> `[E,O,K]` (contraction over tokens)."""
-    E = rows_per_expert.numel()
     (N, O), K = qdy.data.shape, qx.data.shape[1]
     device = qx.data.device
     if _use_scaled_mm(backend, device, _per_group_rows(qdy) and _per_group_rows(qx), (O, K),
