@@ -218,6 +218,8 @@ def test_precision_and_device_fields_are_checked():
                                   SMALL + ["train.dtype=bf16", "parallel.distributed_optimizer=false"]))
     with pytest.raises(ValueError, match="TrainConfig.dtype"):
         apply_overrides(get_recipe("qwen3-moe-tiny"), ["train.dtype=fp16"])
+    with pytest.raises(ValueError, match="TrainConfig.fusion"):
+        apply_overrides(get_recipe("qwen3-moe-tiny"), ["train.fusion=triton"])
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="train.device=cuda"):
             build_run(apply_overrides(get_recipe("qwen3-moe-tiny"), SMALL + ["train.device=cuda"]))
