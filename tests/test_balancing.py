@@ -134,6 +134,43 @@ def test_seq_aux_loss_formula():
         balancing.seq_aux_loss(probs, idx, 5)
 
 
+def test_shares_of_split_sequences_add_up_to_the_loss_and_its_gradient():
+    """Context parallel in one process: each sequence's tokens split in 2 parts (as CP chunks);
+    each part's share from its own prob sums and the whole counts. The shares add up to the
+    float64 reference loss, and the gradient of their sum equals the reference's gradient."""
+    gen = torch.Generator().manual_seed(4)
+    seq_len, n_seq = 8, 3
+    logits, idx = _random_routing(gen, n_seq * seq_len, k=3)
+    logits = logits.double().requires_grad_()
+    probs = ref_probs(logits, "sigmoid")
+    chosen = idx.tolist()
+    parts = [torch.tensor([s * seq_len + i for s in range(n_seq) for i in range(seq_len) if (i // 2) % 2 == p])
+             for p in (0, 1)]  # interleaved pairs of positions: not the contiguous halves
+    T = n_seq * seq_len
+    counts_E = torch.bincount(idx.reshape(-1), minlength=E).double()
+    counts_BE = balancing.seq_counts(idx, E, seq_len).double()
+    for what, want in (("switch", ref_switch(probs, chosen, 3)), ("seq", ref_seq(probs, chosen, 3, seq_len))):
+        shares = []
+        for part in parts:
+            if what == "switch":
+                shares.append(balancing.switch_aux_from_sums(probs[part].sum(0), counts_E, 3, T))
+            else:
+                sums_BE = probs[part].view(n_seq, seq_len // 2, E).sum(1)
+                shares.append(balancing.seq_aux_from_sums(sums_BE, counts_BE, 3, seq_len))
+        got = sum(shares)
+        assert got.item() == pytest.approx(want.item(), rel=1e-12), what
+        want_grad, = torch.autograd.grad(want, logits, retain_graph=True)
+        got_grad, = torch.autograd.grad(got, logits, retain_graph=True)
+        assert_close(got_grad, want_grad, rtol=1e-10, atol=1e-14, msg=what)
+        # one part alone is not the loss (so the sum above is a real check)
+        assert shares[0].item() != pytest.approx(want.item(), rel=0.1), what
+    # global_aux_loss: counts of a larger batch (count_tokens) than the micro-batch the probs sum over
+    extra = torch.randint(0, 9, (E,), generator=gen)
+    want = ref_switch(probs, chosen, 3, num_tokens=50, extra_counts=extra.tolist())
+    got = sum(balancing.switch_aux_from_sums(probs[p].sum(0), counts_E + extra, 3, T, 50) for p in parts)
+    assert got.item() == pytest.approx(want.item(), rel=1e-12)
+
+
 def test_z_loss_formula():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(12, E, generator=gen) * 3

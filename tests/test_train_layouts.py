@@ -2,7 +2,7 @@
 
 Each layout runs the trainer for 3 optimizer steps of tiny Qwen3-MoE and DeepSeek-V3 models
 (both families, every layout) and must match the same recipe trained in one process: loss, LM
-loss and gradient norm at every step within 1e-5 relative, and after the last step every
+loss, gradient norm and balancing loss at every step within 1e-5 relative, and after the last step every
 parameter and persistent buffer within max|a - b| / max|b| < 1e-5. The final weights are read
 back from the checkpoint each run writes (`train.save_dir`; the format is layout-independent)
 into a one-process model, so the whole model is compared, name by name, on both sides; the
@@ -19,9 +19,11 @@ is not amplified (layouts then agree to a few 1e-6); the clip coefficient, compu
 global norm over all shards, is exercised at every step.
 
 Data-parallel rank r takes global micro-batches r, r + D, ... (`moetron.train.data`), so the
-one-process reference accumulates D x grad_accum micro-batches. Context parallel computes the
-aux / sequence-aux balancing losses per rank (a documented limitation), so CP layouts train with
-`model.aux_loss_type=none`. One process group per world size runs all its layouts.
+one-process reference accumulates D x grad_accum micro-batches. Every layout trains with its
+recipe's balancing loss (Qwen3: the Switch `aux_loss`; DeepSeek-V3: `seq_aux_loss`, its coefficient
+raised to 1e-2 so that a wrong balancing gradient shows in the weights), whose reported value is
+compared per step too; under context parallelism the routers sum expert counts over CP, so these
+losses are the whole sequences' ones. One process group per world size runs all its layouts.
 """
 
 import math
@@ -44,9 +46,10 @@ STEPS = 3
 TOL = 1e-5  # relative: losses and gradient norms per step, max|a - b| / max|b| per weight tensor
 # grad_clip=1e-4: see the module docstring.
 BASE = ["model.num_layers=2", "train.seq_len=16", "train.micro_batch_size=2", f"train.steps={STEPS}",
-        "train.warmup_steps=1", "train.grad_clip=1e-4", "train.log_every=100"]
+        "train.warmup_steps=1", "train.grad_clip=1e-4", "train.log_every=100", "model.aux_loss_coeff=1e-2"]
 FAMILIES = ("qwen3-moe-tiny", "deepseek-v3-tiny")
-NO_AUX = "model.aux_loss_type=none"  # CP: balancing losses are per CP rank (documented limitation)
+AUX_LOSSES = {"qwen3-moe-tiny": "aux_loss", "deepseek-v3-tiny": "seq_aux_loss"}  # the recipes' own
+METRICS = ("loss", "lm_loss", "grad_norm", *sorted(set(AUX_LOSSES.values())))  # compared per step
 
 # (id, overrides[, first]): run for both families; grad_accum is per data-parallel rank (default
 # 1). With `first`, steps 1-2 run with `first` added and save a checkpoint, and step 3 resumes
@@ -54,17 +57,17 @@ NO_AUX = "model.aux_loss_type=none"  # CP: balancing losses are per CP rank (doc
 WORLD2 = [
     ("tp2", ["parallel.tp=2"]),
     ("tp2_sp", ["parallel.tp=2", "parallel.sp=true"]),
-    ("cp2", ["parallel.cp=2", NO_AUX]),
+    ("cp2", ["parallel.cp=2"]),
     ("dp2", ["parallel.distributed_optimizer=false", "train.grad_accum=2"]),
     ("dp2_distopt", ["train.grad_accum=2"]),
     ("ep2", ["parallel.ep=2"]),  # attention dp2, experts ep2
-    ("cp2_ep2", ["parallel.cp=2", "parallel.ep=2", NO_AUX]),  # the EP group is the CP group
+    ("cp2_ep2", ["parallel.cp=2", "parallel.ep=2"]),  # the EP group is the CP group
     ("dp2_resume", ["parallel.distributed_optimizer=false", "train.grad_accum=2"],
      ["parallel.distributed_optimizer=true"]),
 ]
 WORLD4 = [
     ("tp2_dp2", ["parallel.tp=2"]),
-    ("cp2_tp2", ["parallel.cp=2", "parallel.tp=2", NO_AUX]),
+    ("cp2_tp2", ["parallel.cp=2", "parallel.tp=2"]),
     ("ep4", ["parallel.ep=4"]),
     ("ep2_tp2_etp1", ["parallel.ep=2", "parallel.tp=2", "parallel.etp=1"]),
     ("ep2_tp2_etp2", ["parallel.ep=2", "parallel.tp=2", "parallel.etp=2"]),
@@ -93,7 +96,8 @@ def _cases(world, layouts, root):
 
 
 def _metrics(history):
-    return [(h["loss"], h["lm_loss"], h["grad_norm"]) for h in history]
+    """Per step, the METRICS the run reported (a balancing loss only where the model has it)."""
+    return [{k: h[k] for k in METRICS if k in h} for h in history]
 
 
 def _train_cases(rank, world, cases):
@@ -146,11 +150,14 @@ def compare_states(got, want, what):
 
 
 def compare_metrics(got, want, what):
-    """Largest relative error of loss, lm_loss and grad_norm over the steps; asserts < TOL."""
+    """Largest relative error of the METRICS (loss, lm_loss, grad_norm, balancing loss) over the
+    steps; asserts < TOL."""
     assert len(got) == len(want) == STEPS, what
     worst = 0.0
     for step, (g, w) in enumerate(zip(got, want)):
-        for label, a, b in zip(("loss", "lm_loss", "grad_norm"), g, w):
+        assert sorted(g) == sorted(w), f"{what} step {step}: reported {sorted(g)}, one process {sorted(w)}"
+        for label in w:
+            a, b = g[label], w[label]
             err = abs(a - b) / abs(b)
             assert err < TOL, f"{what} step {step} {label}: {a} vs {b} (relative error {err:.3g})"
             worst = max(worst, err)
@@ -211,9 +218,10 @@ def test_layout_matches_one_process(world, layouts, tmp_root):
         same = [x for x in overrides[-1] if not x.startswith(layout)]
         want_metrics, want_state = _reference(name, same + [f"train.grad_accum={dp * recipe.train.grad_accum}"],
                                               tmp_root)
+        assert AUX_LOSSES[name] in want_metrics[0], f"{case_id}: trains without its balancing loss"
         loss_err = max(compare_metrics(results[r][0][i], want_metrics, f"{case_id} rank {r}") for r in range(world))
         param_err = compare_states(_final_state(recipe), want_state, case_id)
-        report.append(f"{case_id:34s} loss/grad-norm {loss_err:.1e}  parameters {param_err:.1e}")
+        report.append(f"{case_id:34s} metrics {loss_err:.1e}  parameters {param_err:.1e}")
     print("\n" + "\n".join(report))
 
 

@@ -6,12 +6,15 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from moetron.dispatch.routing import Routing, count_per_expert
+from moetron.model import recompute
 from moetron.moe import balancing
 from moetron.moe.config import MoEConfig
+from moetron.parallel.state import Group
 
 
 @dataclass
@@ -48,6 +51,13 @@ class TopKRouter(nn.Module):
     softmax (before or after top-k) or sigmoid scores; an optional expert bias that
     changes which experts are chosen but never the weights (aux-loss-free balancing);
     group-limited selection; a scaling factor on the weights.
+
+    Context parallel (`cp_group`, set by moetron.parallel.parallelize when cp > 1): each CP rank
+    routes its part of every sequence. The balancing losses are then those of the whole
+    sequences: expert counts are summed over CP, each rank injects its share of the Switch /
+    sequence-wise / global loss (balancing.switch_aux_from_sums), and the reported values are the
+    global ones on every CP rank (z-loss: the mean of the ranks' means). Capacity drops stay per
+    rank (a rank's own tokens against its own capacity).
     """
 
     def __init__(self, config: MoEConfig):
@@ -59,7 +69,10 @@ class TopKRouter(nn.Module):
             self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         else:
             self.expert_bias = None
-        self.balance_group = None  # the data-parallel group, to balance over the global batch
+        # global_aux_loss: the raw data-parallel ProcessGroup, to balance over the global batch (not the
+        # CP ranks, which cp_group sums already).
+        self.balance_group = None
+        self.cp_group: Group | None = None  # None or size 1: every loss over this rank's tokens
         self._global_running = None
 
     def _apply(self, fn, recurse=True):
@@ -117,26 +130,71 @@ class TopKRouter(nn.Module):
         losses = RouterLosses()
         if not (self.training and torch.is_grad_enabled()):
             return weights, losses
+        cp = self.cp_group if self.cp_group is not None and self.cp_group.size > 1 else None
         if cfg.aux_loss_type != "none" and cfg.aux_loss_coeff > 0:
             probs_TE = balancing.balance_probs(logits_TE, cfg.score_func)
-            if cfg.aux_loss_type == "seq_aux_loss":
-                aux = balancing.seq_aux_loss(probs_TE, topk_idx, seq_len or logits_TE.shape[0])
-            elif cfg.aux_loss_type == "global_aux_loss":
-                global_counts, global_tokens = self.global_counts(counts_E, logits_TE.shape[0])
-                aux = balancing.switch_aux_loss(probs_TE, global_counts, cfg.top_k, global_tokens)
+            if cp is not None:
+                aux = self._cp_aux_share(probs_TE, topk_idx, counts_E, seq_len, cp) * cfg.aux_loss_coeff
+                # The trainer's aux-loss scale is 1/cp (right for the per-token mean z-loss); a share
+                # is a term of a sum, so it needs the gradient 1: inject cp * share.
+                weights = balancing.inject_aux_loss(weights, aux * cp.size)
             else:
-                aux = balancing.switch_aux_loss(probs_TE, counts_E, cfg.top_k)
-            aux = aux * cfg.aux_loss_coeff
-            weights = balancing.inject_aux_loss(weights, aux)
+                if cfg.aux_loss_type == "seq_aux_loss":
+                    aux = balancing.seq_aux_loss(probs_TE, topk_idx, seq_len or logits_TE.shape[0])
+                elif cfg.aux_loss_type == "global_aux_loss":
+                    global_counts, global_tokens = self.global_counts(counts_E, logits_TE.shape[0])
+                    aux = balancing.switch_aux_loss(probs_TE, global_counts, cfg.top_k, global_tokens)
+                else:
+                    aux = balancing.switch_aux_loss(probs_TE, counts_E, cfg.top_k)
+                aux = aux * cfg.aux_loss_coeff
+                weights = balancing.inject_aux_loss(weights, aux)
             losses.values[cfg.aux_loss_type] = aux.detach()
         if cfg.z_loss_coeff > 0:
             zl = balancing.z_loss(logits_TE) * cfg.z_loss_coeff
             weights = balancing.inject_aux_loss(weights, zl)
             losses.values["z_loss"] = zl.detach()
+        if cp is not None and losses.values and not recompute.is_recomputing():  # a recompute reports nothing
+            self._report_global_values(losses.values, cp)
         return weights, losses
 
+    def _cp_aux_share(self, probs_TE, topk_idx, counts_E, seq_len, cp: Group) -> torch.Tensor:
+        """This CP rank's share of the balancing loss of the whole sequences (unscaled).
+
+        Every CP rank holds the same number of tokens (split_batch), so the whole micro-batch has
+        cp times this rank's tokens and every sequence cp times its local length."""
+        cfg = self.config
+        T, E = probs_TE.shape
+        if cfg.aux_loss_type == "seq_aux_loss":
+            S = seq_len or T
+            with recompute.replayed(self, "cp_sum"):
+                counts_BE = self.cp_sum(balancing.seq_counts(topk_idx, E, S))
+            return balancing.seq_aux_from_sums(probs_TE.view(-1, S, E).sum(1), counts_BE, cfg.top_k, S * cp.size)
+        with recompute.replayed(self, "cp_sum"):
+            counts = self.cp_sum(counts_E.float())
+        count_tokens = None
+        if cfg.aux_loss_type == "global_aux_loss":
+            counts, count_tokens = self.global_counts(counts, T * cp.size)
+        return balancing.switch_aux_from_sums(probs_TE.sum(0), counts, cfg.top_k, T * cp.size, count_tokens)
+
+    def cp_sum(self, counts: torch.Tensor) -> torch.Tensor:
+        """`counts` summed over `cp_group` (a new tensor, no gradient). Replayed, not rerun, in a recompute."""
+        counts = counts.detach().clone()
+        dist.all_reduce(counts, group=self.cp_group.handle)
+        return counts
+
+    @torch.no_grad()
+    def _report_global_values(self, values: dict[str, torch.Tensor], cp: Group) -> None:
+        """Replace the detached values by the whole sequences' ones, in one all-reduce over CP:
+        the sum of the balancing-loss shares, the mean of the ranks' z-loss means (equal token counts)."""
+        names = sorted(values)
+        total = torch.stack([values[n].float() for n in names])
+        dist.all_reduce(total, group=cp.handle)
+        for name, value in zip(names, total):
+            values[name] = value / cp.size if name == "z_loss" else value
+
     def global_counts(self, counts_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, int]:
-        """Counts of the global batch so far (this micro-batch included), summed over `balance_group`."""
+        """Counts of the global batch so far (this micro-batch included), summed over `balance_group`.
+        Under CP, `counts_E` and `num_tokens` are the micro-batch's, already summed over `cp_group`."""
         counts = counts_E.float()
         tokens = torch.tensor(float(num_tokens), device=counts.device)
         if self.balance_group is not None:

@@ -208,7 +208,7 @@ class DistributedOptimizer:
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         ps = self.ddp.parallel_state
         counted = [g[piece.flat] for shard, g in zip(self.shards, grads) for piece in shard.pieces
-                   if piece.slot.expert or counts_in_norm(piece.slot.param, ps)]
+                   if counts_in_norm(piece.slot.param, ps, piece.slot.expert)]
         sq = sum_of_squares(counted, self.shards[0].master.device)
         all_reduce_sum(sq, ps.world)
         return sq.sqrt()

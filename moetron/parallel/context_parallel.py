@@ -44,16 +44,30 @@ is that rank's share (local loss * local count / global count). So `out.loss`, `
 gradients is the one-process gradient. Gradient reduction must therefore SUM over CP (a data-
 parallel mean over dp_cp divides by cp too many: average over dp only, or scale the loss by cp).
 
+Pipeline parallel (cp x pp, every schedule): context_parallelize the model before cutting it into
+stages and feed `run_schedule` each micro-batch's `split_batch` (as the trainer does). Stages then
+pass [B, S/cp, hidden] activations, attention exchanges K/V over CP inside each stage, and the
+loss stage uses this model's CP-reduced `lm_loss` and `shift_labels` (moetron/pipeline/stage.py),
+so the pipeline's losses and gradients are the one-process ones, as without a pipeline.
+
 Multi-token prediction shifts labels along the sequence, across chunk borders; under CP it needs
 `MoETransformer._mtp_loss` to shift through a `shift_labels(labels, k)` method, which the CP model
 overrides with a gather-shift-split of the (integer) labels. Without that hook,
 `context_parallelize` refuses MTP models with a clear error.
 
-Not exact under CP (per-token routing is, but these statistics are taken over this rank's tokens):
-capacity drops (`capacity_factor`), and the `aux_loss` / `seq_aux_loss` balancing losses; they need
-the router to sum expert counts over CP. `z_loss` is a per-token mean: set the aux-loss scale to
-1/cp (balancing.set_aux_loss_scale) and the CP sum of its gradients is the one-process one.
-Aux-loss-free bias updates are exact with `update_expert_bias(group)` summing over CP.
+Balancing losses. Routing is per token, so it is exact under CP. The balancing losses are exact
+through the router's `cp_group` (set by tensor_parallelize / expert_parallelize when cp > 1, which
+the trainer calls before context_parallelize): the router sums its expert counts over CP (per
+sequence for `seq_aux_loss`) and each rank injects its share of the whole sequences'
+`aux_loss` / `seq_aux_loss` / `global_aux_loss`. These losses are linear in the probability sums
+over tokens, so the shares add up to the loss and each share's gradient is the loss's gradient
+w.r.t. that rank's tokens. Set the aux-loss scale to 1/cp (balancing.set_aux_loss_scale, as the
+trainer does): that is the right weight for `z_loss`, a per-token mean, and the router injects
+cp x share for the others, so the CP sum of the gradients is the one-process one. The reported
+values (`aux_losses`) are the whole sequences' on every CP rank (z_loss: the mean of the ranks'
+means). Aux-loss-free bias updates are exact with `update_expert_bias(group)` summing over CP.
+Not exact under CP: capacity drops (`capacity_factor`), taken over this rank's tokens against
+its own capacity.
 """
 
 from __future__ import annotations

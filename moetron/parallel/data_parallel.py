@@ -325,7 +325,7 @@ class DataParallel:
         ps = self.parallel_state
         grads = {False: [], True: []}
         for s in self.slots:
-            if s.expert or counts_in_norm(s.param, ps):
+            if counts_in_norm(s.param, ps, s.expert):
                 grads[s.expert].append(s.grad_view)
         device = self.buffers[0].device
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -501,12 +501,17 @@ class DataParallel:
         self.finish_param_sync()  # whatever the forward did not touch is complete when it returns
 
 
-def counts_in_norm(param: nn.Parameter, ps: ParallelState) -> bool:
-    """A dense parameter counts in the global norm on one TP rank unless it is TP-sharded, and
-    on one pipeline rank when several hold it (`pipeline_duplicate` marks the other copies)."""
+def counts_in_norm(param: nn.Parameter, ps: ParallelState, expert: bool = False) -> bool:
+    """Whether this rank's copy of `param` counts in the global gradient norm.
+
+    Once over pipeline ranks when several hold it (`pipeline_duplicate` marks the other copies:
+    the shared embedding, and every stage under DualPipe - experts included). Then an expert
+    parameter counts everywhere (each EP/ETP rank holds its own slice); a dense one on one TP
+    rank unless it is TP-sharded.
+    """
     if getattr(param, "pipeline_duplicate", False):
         return False
-    return bool(getattr(param, "tensor_model_parallel", False)) or ps.tp.rank == 0
+    return expert or bool(getattr(param, "tensor_model_parallel", False)) or ps.tp.rank == 0
 
 
 def sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:

@@ -32,9 +32,11 @@ Each rank walks `schedule.rank_actions[rank]` in order:
 Loss convention: each micro-batch's loss is its own mean over its tokens (`MoETransformer`'s
 `total_loss`: LM + mtp_loss_weight x MTP); the step's loss is the mean over micro-batches,
 so each micro-batch's backward is seeded with `loss_scale` = 1/microbatches (the aux-loss
-gradient scale is set to the same value for the run, as the trainer does under gradient
-accumulation). This equals the single-process loss and gradients on the concatenated batch
-whenever every micro-batch has the same number of non-ignored labels.
+gradient scale is set to the same value for the run unless `aux_loss_scale` says otherwise, as
+the trainer does under gradient accumulation). This equals the single-process loss and
+gradients on the concatenated batch whenever every micro-batch has the same number of
+non-ignored labels. Under context parallel the micro-batches are this CP rank's chunks
+(`split_batch`) and each loss is already CP-reduced, the same on every CP rank (stage.py).
 
 Shared parameters (the embedding on the E, MTP and tied-head stages; every stage under
 DualPipe) get their gradients summed over the ranks that hold them at the end of the run,
@@ -398,15 +400,18 @@ def _alternate(steps: list[Iterator[None]]) -> None:
 def run_schedule(schedule: PipelineSchedule, stage_modules: Sequence[PipelineStageModule],
                  microbatches: Sequence, *, group=None, overlap_p2p_comm: bool = True,
                  fb_overlap: str = "off", loss_scale: float | None = None,
-                 reduce_shared_grads: bool = True, gather_losses: bool = True) -> PipelineResult:
+                 aux_loss_scale: float | None = None, reduce_shared_grads: bool = True,
+                 gather_losses: bool = True) -> PipelineResult:
     """Run one training step's forward and backward passes of `schedule` on this rank.
 
     `stage_modules` are this rank's stages by chunk (`build_stage_modules`); `microbatches`
     all of the step's micro-batches (every rank gets the same list; each stage reads what it
     needs). `group` is the pipeline group (a moetron Group, a ProcessGroup, or None for the
     world / one process). Gradients accumulate into the parameters' `.grad`, scaled by
-    `loss_scale` (default 1/microbatches). With `gather_losses` every rank returns every
-    micro-batch's loss (one small all-reduce over the group). `fb_overlap` ("off", "layer",
+    `loss_scale` (default 1/microbatches); balancing aux losses by `aux_loss_scale` (default
+    `loss_scale`; the trainer passes the step's scale, which also accounts for context
+    parallel). With `gather_losses` every rank returns every micro-batch's loss (one small
+    all-reduce over the group). `fb_overlap` ("off", "layer",
     "moe") is how the forward and backward of an FB pair share the time (module docstring);
     when on, 1F1B and interleaved schedules are paired first (`pair_forward_backward`).
     """
@@ -432,7 +437,7 @@ def run_schedule(schedule: PipelineSchedule, stage_modules: Sequence[PipelineSta
     counts_before = {name: layer.pending_counts.clone() for name, (_, layer) in shared_moe.items()}
     scale = 1.0 / schedule.microbatches if loss_scale is None else float(loss_scale)
     previous_aux = balancing.aux_loss_scale()
-    balancing.set_aux_loss_scale(scale)
+    balancing.set_aux_loss_scale(scale if aux_loss_scale is None else float(aux_loss_scale))
     executor = _Executor(schedule, list(stage_modules), batches, info, scale, overlap_p2p_comm, fb_overlap)
     actions = schedule.rank_actions[info.rank]
     try:

@@ -24,6 +24,13 @@ dispatcher each MoE layer's two token all-to-alls are communication pieces that 
 issues asynchronously (moetron/pipeline/overlap.py); each dispatch's count exchange stays a
 synchronous host sync inside the dispatch piece.
 
+Context parallel (cp > 1): the model is `context_parallelize`d before its stages are built, and
+each micro-batch is this CP rank's `split_batch` (two chunks, global positions), so everything
+that travels between stages is `[B, S/cp, hidden]`. Attention exchanges keys/values over CP
+inside a stage; the loss stage uses the model's CP-reduced `lm_loss` (the token-weighted mean
+over the CP ranks, the same on each) and its `shift_labels` for MTP labels that cross chunk
+borders, so a pipeline's losses and summed gradients equal the one-process ones.
+
 Shared parameters: the embedding is used by the E stage, by every stage holding MTP layers
 (embedding of the future tokens) and by the loss stage when the head is tied. A stage
 that needs it holds the model's `embed_tokens` under its own name; when such stages sit on
@@ -60,7 +67,7 @@ class MicroBatch:
 
     input_ids: torch.Tensor  # [B, S] int64
     labels: torch.Tensor | None = None  # [B, S], -100 ignored; needed by MTP and loss stages
-    position_ids: torch.Tensor | None = None  # [B or 1, S]; default arange(S)
+    position_ids: torch.Tensor | None = None  # [B or 1, S]; default arange(S), or the CP chunks' positions
 
     @classmethod
     def of(cls, obj: Any) -> MicroBatch:
@@ -123,6 +130,10 @@ class PipelineStageModule(nn.Module):
         # (it swaps these) computes its loss the same way here.
         self._head = model.head
         self._lm_loss = getattr(model, "lm_loss", lm_cross_entropy)
+        # Context parallel (built after context_parallelize): the CP-reduced loss above, MTP label
+        # shifts across chunk borders, and global positions of this rank's chunks by default.
+        self._shift_labels = getattr(model, "shift_labels", lambda t, k: shift_left(t, k, IGNORE_INDEX))
+        self.cp_group = getattr(model, "cp_group", None)
         self._mtp_done_before = sum(len(s.mtp_layers) for s in layout.stages[:index])
         weight = model.embed_tokens.weight
         self.hidden_size, self.dtype, self.device = cfg.hidden_size, weight.dtype, weight.device
@@ -179,7 +190,7 @@ class PipelineStageModule(nn.Module):
         out: list[Piece] = []
         positions = batch.position_ids
         if positions is None:
-            positions = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None]
+            positions = self._default_positions(batch.input_ids)
         rope = self.rotary(positions, self.dtype) if (self.layers or self.mtp) else None
         if self.stage.has_embedding:
             out.append(("embedding", lambda state: (self.embed_tokens(batch.input_ids),)))
@@ -206,12 +217,22 @@ class PipelineStageModule(nn.Module):
             out.append(("identity", lambda state: tuple(t.view_as(t) for t in state)))
         return out
 
+    def _default_positions(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """0..S-1, or under context parallel the global positions of this rank's two chunks."""
+        s, device = input_ids.shape[1], input_ids.device
+        cp = self.cp_group
+        if cp is None or cp.size == 1:
+            return torch.arange(s, device=device)[None]
+        from moetron.parallel.context_parallel import local_positions
+
+        return local_positions(s * cp.size, cp.size, cp.rank, device)[None]
+
     def _mtp_piece(self, state: Tensors, j: int, done: int, batch: MicroBatch, rope) -> Tensors:
         module = self.mtp[str(j)]
         if batch.labels is None:
             raise ValueError(f"stage {self.index} runs MTP layer {j} and needs the micro-batch labels")
         h_prev = state[-1] if done else state[0]
-        future_ids = shift_left(batch.labels, module.depth - 1, IGNORE_INDEX).clamp_min(0)
+        future_ids = self._shift_labels(batch.labels, module.depth - 1).clamp_min(0)
         h, normed = module(h_prev, self.embed_tokens(future_ids), rope)
         kept = state[:-1] if done else state  # (h_main, normed_1..normed_done)
         return tuple(t.view_as(t) for t in kept) + (normed, h)
@@ -225,7 +246,7 @@ class PipelineStageModule(nn.Module):
             return (lm_loss, lm_loss.detach())
         losses = []
         for k in range(1, n + 1):
-            labels = shift_left(batch.labels, k, IGNORE_INDEX)
+            labels = self._shift_labels(batch.labels, k)
             losses.append(self._lm_loss(self._head(state[k]), labels)[0])
         mtp_loss = torch.stack(losses).mean()
         total = lm_loss + self.config.mtp_loss_weight * mtp_loss

@@ -56,9 +56,6 @@ def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
 
 def _check_layout(recipe: Recipe, ps: ParallelState) -> None:
     c, p = recipe.model, recipe.parallel
-    if p.cp > 1 and p.pp > 1:
-        raise NotImplementedError("parallel.cp > 1 with parallel.pp > 1: pipeline stages do not pass "
-                                  "context-parallel positions yet; use cp with tp/ep/dp")
     validate_for_model(p, num_attention_heads=c.num_attention_heads, num_kv_heads=c.num_kv_heads,
                        num_experts=c.num_experts, moe_ffn_hidden_size=c.moe_intermediate_size,
                        ffn_hidden_size=c.intermediate_size, num_layers=c.num_layers,

@@ -142,13 +142,19 @@ def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[
     if run.schedule is not None:
         from moetron.pipeline.runtime import run_schedule
 
+        tokens = sum(int((y != -100).sum()) for _, y in batches)  # the whole sequences' labels
+        if run.ps.cp.size > 1:  # this rank's chunks; the stages' losses are CP-reduced (as the model's)
+            from moetron.parallel.context_parallel import split_batch
+
+            batches = [split_batch(run.ps.cp, x, labels=y) for x, y in batches]
         with run.ddp.no_sync():
             result = run_schedule(run.schedule, run.stages, batches, group=run.ps.pp,
-                                  fb_overlap=run.recipe.parallel.fb_overlap)
+                                  fb_overlap=run.recipe.parallel.fb_overlap,
+                                  aux_loss_scale=balancing.aux_loss_scale())  # the step's, set by _train_step
         sums = {"loss": float(result.loss), "lm_loss": float(result.lm_loss)}
         if result.mtp_loss is not None:
             sums["mtp_loss"] = float(result.mtp_loss)
-        return sums, sum(int((y != -100).sum()) for _, y in batches)
+        return sums, tokens
 
     sums: dict[str, float] = {}
     tokens = 0
