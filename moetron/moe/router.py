@@ -52,7 +52,7 @@ class TopKRouter(nn.Module):
     changes which experts are chosen but never the weights (aux-loss-free balancing);
     group-limited selection; a scaling factor on the weights.
 
-    Context parallel (`cp_group`, set by moetron.parallel.parallelize when cp > 1): each CP rank
+    Context parallel (`cp_group`, set by context_parallelize when cp > 1): each CP rank
     routes its part of every sequence. The balancing losses are then those of the whole
     sequences: expert counts are summed over CP, each rank injects its share of the Switch /
     sequence-wise / global loss (balancing.switch_aux_from_sums), and the reported values are the

@@ -56,8 +56,7 @@ overrides with a gather-shift-split of the (integer) labels. Without that hook,
 `context_parallelize` refuses MTP models with a clear error.
 
 Balancing losses. Routing is per token, so it is exact under CP. The balancing losses are exact
-through the router's `cp_group` (set by tensor_parallelize / expert_parallelize when cp > 1, which
-the trainer calls before context_parallelize): the router sums its expert counts over CP (per
+through the router's `cp_group` (set by context_parallelize): the router sums its expert counts over CP (per
 sequence for `seq_aux_loss`) and each rank injects its share of the whole sequences'
 `aux_loss` / `seq_aux_loss` / `global_aux_loss`. These losses are linear in the probability sums
 over tokens, so the shares add up to the loss and each share's gradient is the loss's gradient
@@ -270,7 +269,7 @@ def context_parallelize(model, parallel_state: ParallelState):
     """Make `model` (a MoETransformer, possibly tensor-parallel already) run on this CP rank's part
     of each sequence, in place; returns it. With cp=1 the model is returned as is.
 
-    Every attention module gets `cp_group`; the model's class gains ContextParallelModel. Call it
+    Every attention module and router gets `cp_group`; the model's class gains ContextParallelModel. Call it
     after tensor_parallelize (which replaces the model's class). Feed it `split_batch` outputs.
     """
     from moetron.model.attention import GroupedQueryAttention, MultiLatentAttention
@@ -290,6 +289,11 @@ def context_parallelize(model, parallel_state: ParallelState):
         raise ValueError(f"context_parallelize: {type(model).__name__} has no attention modules")
     for m in attention:
         m.cp_group = cp
+    from moetron.moe.router import TopKRouter
+
+    for router in model.modules():  # balancing losses over the whole sequences (see "Balancing losses")
+        if isinstance(router, TopKRouter):
+            router.cp_group = cp
     model.__class__ = _context_parallel_class(type(model))
     model.cp_group = cp
     return model

@@ -21,8 +21,6 @@ What each piece becomes (T = tokens, tp = ps.tp.size):
   (TensorParallelMoELayer below): the router runs on the TP group's whole sequence, so capacity,
   drops and balancing losses are exactly those of one process; each rank then dispatches only its
   own S/tp (or, without sequence parallel, T/tp) tokens over the expert grid (ETP x EP).
-- with context parallelism (ps.cp.size > 1) every router gets `cp_group = ps.cp`, so its
-  balancing losses are those of the whole sequences (TopKRouter); expert_parallelize does the same.
 
 Replicated parameters that see only part of the work on a rank (norms under sequence parallel,
 per-head q/k norms, shared kv heads, MLA a-projections under sequence parallel) sum their
@@ -48,7 +46,6 @@ from moetron.model.model import IGNORE_INDEX, MoETransformer
 from moetron.model.mtp import MTPModule
 from moetron.moe.experts import GroupedExperts
 from moetron.moe.layer import MoELayer
-from moetron.moe.router import TopKRouter
 from moetron.ops import swiglu
 from moetron.parallel import comm
 from moetron.parallel.config import ParallelConfig, validate_for_model
@@ -314,15 +311,6 @@ def _parallelize_mla(attn: MultiLatentAttention, tp: Group, sp: bool, chunks: in
     attn.__class__ = TensorParallelMLA
 
 
-def _give_routers_cp_group(model: nn.Module, parallel_state: ParallelState) -> None:
-    """Routers see only this CP rank's tokens: give them the CP group to sum expert counts over
-    (balancing losses of the whole sequences). Nothing changes with cp=1."""
-    if parallel_state.cp.size > 1:
-        for router in model.modules():
-            if isinstance(router, TopKRouter):
-                router.cp_group = parallel_state.cp
-
-
 def tensor_parallelize(model: MoETransformer, parallel_state: ParallelState, *, overlap_chunks: int = 1,
                        moe_dispatcher: str | None = None, flex_backend: str = "torch") -> MoETransformer:
     """Shard `model` (full, identical weights on every TP rank) in place over `parallel_state.tp`.
@@ -367,7 +355,6 @@ def tensor_parallelize(model: MoETransformer, parallel_state: ParallelState, *, 
             for p in module.parameters():
                 sum_grad_over_group(p, tp)
 
-    _give_routers_cp_group(model, parallel_state)
     model.__class__ = TensorParallelMoETransformer
     model.tp_group, model.sequence_parallel, model.overlap_chunks = tp, sp, overlap_chunks
     return model
@@ -437,5 +424,4 @@ def expert_parallelize(model: MoETransformer, parallel_state: ParallelState, dis
         new.router, new.shared_experts, new.shared_expert_gate = old.router, old.shared_experts, old.shared_expert_gate
         new.train(old.training)
         layer.mlp = new
-    _give_routers_cp_group(model, parallel_state)
     return model
