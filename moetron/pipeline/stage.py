@@ -276,28 +276,35 @@ def _moe_pieces(layer, index: int) -> list[Piece]:
         routing = moe.route(x_TH, x.shape[-2])
         x_NH, rows, handle = moe.dispatch(x_TH, routing)
         ctx["rows"], ctx["handle"] = rows, handle
-        ctx["handle_slots"] = slots = _grad_tensors(handle)
+        ctx["slots"] = slots = _grad_tensors(handle)
         shared_in = (x_TH,) if moe.shared_experts is not None else ()
         return (h.view_as(h), x_NH, *slots, *shared_in)
 
     def experts(state: Tensors) -> Tensors:
-        n = len(ctx["handle_slots"])
+        n = len(ctx["slots"])
         h, x_NH, slots, shared_in = state[0], state[1], state[2:2 + n], state[2 + n:]
         y_NH = moe.compute_experts(x_NH, ctx["rows"])
         extra = (moe.shared(shared_in[0]),) if shared_in else ()
         return (h.view_as(h), y_NH, *(t.view_as(t) for t in slots), *extra)
 
+    return [(f"dispatch{index}", dispatch), (f"experts{index}", experts),
+            (f"combine{index}", _combine_piece(ctx, moe.combine))]
+
+
+def _combine_piece(ctx: dict[str, Any], combine_rows: Callable) -> Callable[[Tensors], Tensors]:
+    """The last MoE piece: put the gate-weight slots back into the handle, combine the rows
+    (`combine_rows(rows, handle)`), add the shared-expert output and the residual."""
     def combine(state: Tensors) -> Tensors:
-        n = len(ctx["handle_slots"])
-        h, y_NH, slots, extra = state[0], state[1], state[2:2 + n], state[2 + n:]
-        handle = _replace_tensors(ctx["handle"], dict(zip(map(id, ctx["handle_slots"]), slots)))
-        out = moe.combine(y_NH, handle)
+        n = len(ctx["slots"])
+        h, y, slots, extra = state[0], state[1], state[2:2 + n], state[2 + n:]
+        handle = _replace_tensors(ctx["handle"], dict(zip(map(id, ctx["slots"]), slots)))
+        out = combine_rows(y, handle)
         if extra:
             out = out + extra[0]
         ctx.clear()
         return (h + out.view(h.shape),)
 
-    return [(f"dispatch{index}", dispatch), (f"experts{index}", experts), (f"combine{index}", combine)]
+    return combine
 
 
 def _phased_moe_pieces(layer, index: int) -> list[Piece]:
@@ -331,21 +338,11 @@ def _phased_moe_pieces(layer, index: int) -> list[Piece]:
         extra = (moe.shared(shared_in[0]),) if shared_in else ()
         return (h.view_as(h), y_send, *(t.view_as(t) for t in slots), *extra)
 
-    def combine(state: Tensors) -> Tensors:  # unpermute with the gate weights, residual
-        n = len(ctx["slots"])
-        h, y_recv, slots, extra = state[0], state[1], state[2:2 + n], state[2 + n:]
-        handle = _replace_tensors(ctx["handle"], dict(zip(map(id, ctx["slots"]), slots)))
-        out = dispatcher.combine_postprocess(y_recv, handle)
-        if extra:
-            out = out + extra[0]
-        ctx.clear()
-        return (h + out.view(h.shape),)
-
     return [(f"dispatch{index}", dispatch),
             (f"dispatch_a2a{index}", CommPiece(1, lambda: ctx.pop("dispatch_a2a"))),
             (f"experts{index}", experts),
             (f"combine_a2a{index}", CommPiece(1, lambda: ctx.pop("combine_a2a"))),
-            (f"combine{index}", combine)]
+            (f"combine{index}", _combine_piece(ctx, dispatcher.combine_postprocess))]
 
 
 def _children(obj: Any):
