@@ -109,7 +109,8 @@ class _TorchOptimizer:
             step = steps.get(name, saved["param_groups"][member[name]]["step"])
             if not step:
                 continue
-            state = {"step": torch.tensor(float(step))}
+            fused = any(g.get("fused") for g in self.opt.param_groups)  # fused AdamW keeps steps on the device
+            state = {"step": torch.tensor(float(step), device=p.device if fused else "cpu")}
             for slot in reader.slots(name):
                 if slot != "master":
                     state[slot] = read_local(reader, self.local[name], slot, dtype=p.dtype).to(p.device)

@@ -46,12 +46,15 @@ class TrainingRun:
 
 
 def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
-    """AdamW; norms, biases and other 1-D parameters get no weight decay."""
+    """AdamW; norms, biases and other 1-D parameters get no weight decay. On a GPU, torch's fused
+    kernel (one pass instead of several foreach ops); on the CPU torch's default."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     t = recipe.train
+    fused = True if next(model.parameters()).is_cuda else None
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=tuple(t.betas))
+                              {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=tuple(t.betas),
+                             fused=fused)
 
 
 def _check_layout(recipe: Recipe, ps: ParallelState) -> None:
