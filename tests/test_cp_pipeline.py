@@ -1,4 +1,5 @@
-"""Context parallel x pipeline parallel in the trainer: cp2 x pp2 trains exactly like one process.
+"""Pipeline parallel with context or tensor parallel in the trainer: cp2 x pp2 and tp2(+sp) x pp2
+train exactly like one process.
 
 World 4, one spawn: each case runs the trainer for 3 optimizer steps with parallel.cp=2 and
 parallel.pp=2 (every micro-batch split into each CP rank's two load-balanced chunks before the
@@ -47,6 +48,15 @@ CASES = [
     # that clipping uses; with the Switch aux loss, exact under CP through the router's cp_group
     ("qwen3-moe-tiny", ["parallel.schedule=dualpipe", "train.grad_accum=4", "model.aux_loss_type=aux_loss"]),
 ]
+# tp2 x pp2 with sequence parallel (stages pass S/tp rows; the MTP embedding is sequence-sharded too)
+TP_PP = ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2"]
+TP_CASES = [
+    ("deepseek-v3-tiny", ["train.grad_accum=2"]),
+    # split backward: weight-gradient regions (with the TP all-reduce of sequence-parallel norm
+    # grads) must run in the same order on both TP ranks
+    ("qwen3-moe-tiny", ["parallel.schedule=zb1p", "train.grad_accum=2"]),
+    ("deepseek-v3-tiny", ["parallel.schedule=dualpipev", "train.grad_accum=4"]),
+]
 
 
 def _recipe(name, extra):
@@ -76,8 +86,9 @@ def _rel(a, b):
 
 
 def test_cp_times_pp_trains_like_one_process(tmp_path):
-    cases = [(name, CP_PP + extra + [f"train.save_dir={tmp_path}/cp-pp-{i}"])
-             for i, (name, extra) in enumerate(CASES)]
+    cases = [(name, layout + extra + [f"train.save_dir={tmp_path}/pp-{i}"])
+             for i, (name, layout, extra) in enumerate([(n, CP_PP, e) for n, e in CASES] +
+                                                       [(n, TP_PP, e) for n, e in TP_CASES])]
     results = run_distributed(_train_cases, 4, cases, init=False, timeout=300)
     saved = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -158,6 +158,10 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     parents: dict[Node, list[Node]] = collections.defaultdict(list)
     stack = list(dict.fromkeys(out_nodes))
     seen = set(stack)
+    # Discovery order, the same on every rank running the same graph. Iterating the set would
+    # follow memory addresses, and the weight regions (whose backward may all-reduce, e.g. the
+    # grads of sequence-parallel norms) would run in a different order on each TP rank.
+    order = list(stack)
     while stack:
         node = stack.pop()
         kids = [fn for fn, _ in node.next_functions if fn is not None]
@@ -166,6 +170,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             parents[fn].append(node)
             if fn not in seen:
                 seen.add(fn)
+                order.append(fn)
                 stack.append(fn)
 
     def reaching(targets) -> set[Node]:
@@ -178,7 +183,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         return found
 
     on_input_path = reaching(input_nodes & seen)
-    weight_nodes = [n for n in seen if hasattr(n, "variable") and n not in input_nodes]
+    weight_nodes = [n for n in order if hasattr(n, "variable") and n not in input_nodes]
     to_weights = reaching(weight_nodes)
     weight_only = to_weights - on_input_path
 
@@ -192,7 +197,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         return n
 
     frontier = []
-    for node in seen:
+    for node in order:
         kids = [k for k in children[node] if k in weight_only]
         if node in weight_only or kids:
             find(node)

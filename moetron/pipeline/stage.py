@@ -134,6 +134,9 @@ class PipelineStageModule(nn.Module):
         # shifts across chunk borders, and global positions of this rank's chunks by default.
         self._shift_labels = getattr(model, "shift_labels", lambda t, k: shift_left(t, k, IGNORE_INDEX))
         self.cp_group = getattr(model, "cp_group", None)
+        # Tensor parallel with sequence parallel (tensor_parallelize sets these): stages pass S/tp rows.
+        sp = getattr(model, "sequence_parallel", False)
+        self.sequence_shards = model.tp_group.size if sp else 1
         self._mtp_done_before = sum(len(s.mtp_layers) for s in layout.stages[:index])
         weight = model.embed_tokens.weight
         self.hidden_size, self.dtype, self.device = cfg.hidden_size, weight.dtype, weight.device
@@ -154,7 +157,8 @@ class PipelineStageModule(nn.Module):
 
     def _spec(self, batch: MicroBatch, count: int) -> list[tuple[torch.Size, torch.dtype]]:
         b, s = batch.input_ids.shape
-        return [(torch.Size((b, s, self.hidden_size)), self.dtype)] * count
+        # under sequence parallel the residual stream between layers is this TP rank's S/tp shard
+        return [(torch.Size((b, s // self.sequence_shards, self.hidden_size)), self.dtype)] * count
 
     def input_spec(self, batch: MicroBatch) -> list[tuple[torch.Size, torch.dtype]]:
         """Shapes and dtypes of the tensors this stage receives (none for the first)."""
