@@ -223,4 +223,3 @@ def test_precision_and_device_fields_are_checked():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="train.device=cuda"):
             build_run(apply_overrides(get_recipe("qwen3-moe-tiny"), SMALL + ["train.device=cuda"]))
-
