@@ -124,3 +124,20 @@ def test_cp_times_pp_trains_like_one_process(tmp_path):
     finally:
         torch.set_num_threads(saved)
     print("\n" + "\n".join(report))
+
+
+WORLD8 = [
+    ("deepseek-v3-tiny", ["parallel.tp=2", "parallel.sp=true", "parallel.cp=2", "parallel.pp=2", "train.grad_accum=2"]),
+    ("qwen3-moe-tiny", ["parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "parallel.ep=2", "train.grad_accum=2"]),
+]
+
+
+def test_tp_cp_pp_on_eight_ranks_trains_like_one_process():
+    """tp2 x cp2 x pp2 (DeepSeek-V3 with sequence parallel and MTP; Qwen3-MoE with ep2 folded over
+    the tp x cp ranks): the losses of every step on every rank equal one process's."""
+    results = run_distributed(_train_cases, 8, WORLD8, init=False, timeout=300)
+    for i, (name, extra) in enumerate(WORLD8):
+        want = _metrics(train(_recipe(name, [x for x in extra if not x.startswith("parallel.")]), log=lambda s: None))
+        for rank in range(8):
+            for step, (g, w) in enumerate(zip(results[rank][i], want)):
+                assert all(abs(a - b) / abs(b) < TOL for a, b in zip(g, w)), f"{name} rank {rank} step {step}: {g} vs {w}"
