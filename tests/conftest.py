@@ -13,10 +13,11 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def one_thread():
-    """Tiny matrices: several threads on a shared 2-core machine only slow them down.
-    Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    """Tiny matrices: several threads on a shared 2-core machine only slow them down (OpenMP
+    barrier waits), and one thread fixes the summation order. Use with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`; module-scoped fixtures may ask for it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

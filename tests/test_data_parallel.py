@@ -102,21 +102,7 @@ def train_reference(model, loss_fn, batches, clip):
     return out
 
 
-@contextlib.contextmanager
-def one_thread():
-    """Tiny models run much faster on one thread, the more so on a shared, loaded machine."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @functools.cache

@@ -21,7 +21,6 @@ control (every computed scale forced to 1, so E4M3 weight gradients underflow) m
 (+7.0 % / 8.5 %).
 """
 
-import contextlib
 import dataclasses
 import functools
 import io
@@ -50,20 +49,7 @@ BITS = {E4M3: (3, -6), E5M2: (2, -14)}  # mantissa bits, smallest normal exponen
 RECIPES = ("tensorwise", "delayed", "blockwise")
 
 
-@contextlib.contextmanager
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny GEMMs: fast on a shared machine, and one summation order
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def assert_close(got, want, rtol=1e-5, msg=""):
@@ -416,9 +402,8 @@ def loss_gaps(losses, ref):
 
 
 @pytest.fixture(scope="module")
-def fp32_losses():
-    with one_thread():  # module-scoped: set up before the function-scoped _one_thread
-        return train_losses(None)
+def fp32_losses(one_thread):
+    return train_losses(None)
 
 
 LAST_HALF_TOL, MOVING_TOL = 0.02, 0.05

@@ -18,13 +18,7 @@ H = 16
 T = 64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add OpenMP barrier waits (10-50 ms an op on a loaded box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 # ---- independent references ------------------------------------------------------------------------

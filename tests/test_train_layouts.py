@@ -193,13 +193,7 @@ def tmp_root(tmp_path_factory):
     return tmp_path_factory.mktemp("layouts")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared machine: one thread is several times faster (as in the workers)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.mark.parametrize("world,layouts", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
