@@ -32,8 +32,8 @@ import torch
 from moetron.config import ModelConfig
 from moetron.model.activation_memory import ActivationMeter, attention_path, layer_activation_bytes
 from moetron.model.model import MoETransformer
-from moetron.model.recompute import MODULES, set_recompute
-from moetron.recipes.catalog import get_recipe
+from moetron.ops.recompute import MODULES, set_recompute
+from moetron.recipes import get_recipe
 
 MID_DEEPSEEK = ModelConfig(
     family="deepseek_v3", vocab_size=16384, hidden_size=1024, num_layers=8, num_attention_heads=8,

@@ -71,15 +71,15 @@ def synthetic_config(gb: float) -> dict:
 
 def make_source(folder: Path, hf: dict, shard_bytes: int, fp8: bool) -> dict:
     """Write the hub folder tensor by tensor (random bf16, or FP8 + scales for 2-D projections)."""
-    from moetron.bridge.convert import _meta_model
+    from moetron.bridge.hub import meta_model
     from moetron.bridge.hf_config import config_from_hf
     from moetron.bridge.keys import build_key_map
-    from moetron.bridge.slices import Entry, write_safetensors
+    from moetron.checkpoint.slices import Entry, write_safetensors
     from moetron.precision.blockwise import expected_scale_shape
 
     folder.mkdir(parents=True)
     cfg = config_from_hf(hf)
-    state = _meta_model(cfg).state_dict()
+    state = meta_model(cfg).state_dict()
     pool = torch.randn(1 << 24, generator=torch.Generator().manual_seed(0)).mul_(0.02).bfloat16()
     cursor = [0]
 
@@ -251,7 +251,7 @@ def main() -> None:
 
 
 def verify(a: Path, b: Path, sample: int = 24) -> None:
-    from moetron.bridge.convert import HubFolder
+    from moetron.bridge.hub import HubFolder
 
     ha, hb = HubFolder(a), HubFolder(b)
     keys = sorted(ha.keys())

@@ -9,7 +9,7 @@
 
 Part 1, one process (`--device`, cpu by default): `permute` and `unpermute`
 (moetron/dispatch/permute.py) of T tokens routed to k of E experts, once per permute
-implementation (moetron/dispatch/permute_kernels.py): "torch" (the reference), "cpp" (the C++ CPU
+implementation (moetron/dispatch/permute.py): "torch" (the reference), "cpp" (the C++ CPU
 kernel, moetron/csrc/permute_cpu.cpp, built on first use) and on CUDA "triton" (on CPU Triton runs
 only under its interpreter, so it is left out unless named in --impls with TRITON_INTERPRET=1).
 Baseline, timed in the same interleaved rounds: `copy_` of the permuted buffer's bytes into a
@@ -32,7 +32,7 @@ Part 2, `--ep` gloo process groups on this CPU (spawned here, `--dist-threads` t
 gate weights), dispatches them, runs identity experts and combines, once per dispatcher and
 permute implementation (`set_permute_impl`, process-wide, as the dispatchers take no impl):
 allgather (AllGatherDispatcher), alltoall (AllToAllDispatcher), flex (FlexTokenDispatcher, torch
-backend), flex-fp8 (the same with FP8 rows on the wire) and flex-ll (FlexDispatcher's low-latency
+backend), flex-fp8 (the same with FP8 rows on the wire) and flex-ll (FlexBuffer's low-latency
 mode, forward only, no permute, on the first `--ll-tokens` tokens: it moves fixed buffers sized
 experts x tokens, meant for decoding batches). Reference rows in the same rounds: "local" (LocalDispatcher: the
 same permute+unpermute with every expert in the process, no communication: the permute-only bound)
@@ -64,7 +64,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import format_table, time_interleaved  # noqa: E402
 
-from moetron.dispatch import permute_kernels  # noqa: E402
+from moetron.dispatch import permute as permute_kernels  # noqa: E402
 from moetron.dispatch.permute import permute, routing_plan, unpermute  # noqa: E402
 
 QUICK = dict(tokens=256, hidden=128, experts=16, topk=4, dist_tokens=128, ll_tokens=32, repeats=3, warmup=1)
@@ -279,7 +279,7 @@ def _free_port() -> int:
 def _build(name, group, E, rank, ws):
     from moetron.dispatch.allgather import AllGatherDispatcher
     from moetron.dispatch.alltoall import AllToAllDispatcher
-    from moetron.dispatch.flex import FlexDispatcher, FlexTokenDispatcher
+    from moetron.dispatch.flex import FlexBuffer, FlexTokenDispatcher
 
     L = E // ws
     if name == "allgather":
@@ -289,7 +289,7 @@ def _build(name, group, E, rank, ws):
     if name in ("flex", "flex-fp8"):
         return FlexTokenDispatcher(group, E, backend="torch", fp8=name == "flex-fp8")
     if name == "flex-ll":
-        return FlexDispatcher(group, E, backend="torch")
+        return FlexBuffer(group, E, backend="torch")
     raise ValueError(name)
 
 

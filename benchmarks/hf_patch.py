@@ -1,4 +1,4 @@
-"""Training step time of a transformers Qwen3-MoE model, unpatched vs `moetron.integrations.hf.patch`.
+"""Training step time of a transformers Qwen3-MoE model, unpatched vs `moetron.integrations.transformers.patch`.
 
     python benchmarks/hf_patch.py             # 2 layers, hidden 512, 32 experts top-4, seq 512, fp32, 2 threads
     python benchmarks/hf_patch.py --quick     # tiny sizes, a few seconds
@@ -34,7 +34,7 @@ import torch
 import transformers
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from moetron.integrations import hf
+import moetron.integrations.transformers as hf
 
 QUICK = dict(layers=1, hidden=64, moe_ffn=32, experts=8, topk=2, seq=64, vocab=256, repeats=3, warmup=1)
 

@@ -95,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         " ('hf' = both transformers paths)")
     p.add_argument("--permute-impls", default=None, metavar="A,B",
                    help="time one moetron line per permute implementation (e.g. 'torch,cpp'), when this "
-                        "moetron has moetron.dispatch.permute_kernels; default: the process default")
+                        "moetron has moetron.dispatch.permute; default: the process default")
     p.add_argument("--profile", action="store_true",
                    help="after timing, print torch.profiler op tables of moetron and the ceiling")
     args = p.parse_args(argv)
@@ -226,7 +226,7 @@ def build_router_step(layer, x, seed):
 def permute_impl_setter(impl: str, device: str = "cpu"):
     """A callable that makes `impl` moetron's process-wide permute implementation."""
     try:
-        from moetron.dispatch.permute_kernels import resolve, set_permute_impl
+        from moetron.dispatch.permute import resolve, set_permute_impl
     except ImportError as e:
         raise SystemExit(f"--permute-impls: this moetron has no selectable permute implementations ({e})")
     set_permute_impl(impl)
@@ -236,7 +236,7 @@ def permute_impl_setter(impl: str, device: str = "cpu"):
 
 def current_permute_impl() -> str:
     try:
-        from moetron.dispatch.permute_kernels import permute_impl
+        from moetron.dispatch.permute import permute_impl
     except ImportError:
         return "torch (no permute_kernels)"
     impl, deterministic = permute_impl()

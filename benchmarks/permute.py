@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import format_table, time_interleaved  # noqa: E402
 
-from moetron.dispatch import permute_kernels  # noqa: E402
+from moetron.dispatch import permute as permute_kernels  # noqa: E402
 from moetron.dispatch.permute import permute, routing_plan, unpermute  # noqa: E402
 from moetron.kernels import cpp_build  # noqa: E402
 

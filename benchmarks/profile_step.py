@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     from moetron.model.size import training_flops_per_token
     from moetron.recipes import apply_overrides, get_recipe
     from moetron.train import trainer
-    from moetron.train.data import TokenBatches, stdlib_corpus
+    from moetron.data.builtin import TokenBatches, stdlib_corpus
     from moetron.train.setup import build_run
 
     recipe = apply_overrides(get_recipe(args.recipe), args.set)

@@ -4,7 +4,7 @@
     python examples/patch_hf_model.py --model PATH_OR_HUB_ID   # a real checkpoint (from_pretrained)
     torchrun --nproc-per-node 2 examples/patch_hf_model.py     # experts sharded over 2 ranks
 
-`moetron.integrations.hf.patch(model)` swaps every MoE block for a `moetron.MoELayer` that holds
+`moetron.integrations.transformers.patch(model)` swaps every MoE block for a `moetron.MoELayer` that holds
 the very same weight tensors, so the model computes the same outputs (checked below), its
 parameters, optimizer and `save_pretrained` work as before, and training runs through moetron's
 router, permute and grouped-GEMM experts. Under torchrun, `patch(model, ep_group=...)` keeps only
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from moetron.integrations import hf
-from moetron.train.data import stdlib_corpus
+import moetron.integrations.transformers as hf
+from moetron.data.builtin import stdlib_corpus
 
 
 def tiny_qwen3_moe(args) -> Qwen3MoeForCausalLM:

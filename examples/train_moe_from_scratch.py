@@ -30,7 +30,7 @@ from torch import nn
 from moetron import MoEConfig, MoELayer
 from moetron.moe.balancing import set_aux_loss_scale
 from moetron.parallel import ParallelConfig, init_from_env
-from moetron.train.data import stdlib_corpus
+from moetron.data.builtin import stdlib_corpus
 
 VOCAB = 256  # bytes
 

@@ -78,14 +78,3 @@ def require(name: str) -> None:
                                    f"Run `moetron env` to see what this machine supports.")
             return
     raise ValueError(f"unknown backend '{name}'; known: {[s.name for s in backend_status()]}")
-
-
-def format_env() -> str:
-    from moetron.dispatch.permute_kernels import impl_status
-
-    rows = [f"{'backend':<20} {'available':<10} reason"]
-    rows += [f"{s.name:<20} {'yes' if s.available else 'no':<10} {s.reason}" for s in backend_status()]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    rows += [f"{'permute:' + name:<20} {'yes' if ok else 'no':<10} {why}"
-             for name, ok, why in impl_status(device, build=False)]
-    return "\n".join(rows)

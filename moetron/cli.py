@@ -3,18 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
 import torch
 
+from moetron.backends import backend_status
+from moetron.bridge.convert import format_summary, hf_to_moetron, moetron_to_hf
+from moetron.config import Recipe, apply_overrides
+from moetron.data.packed import PreparedCorpus
+from moetron.data.prepare import prepare
+from moetron.dispatch.permute import impl_status
+from moetron.model.size import model_size
+from moetron.parallel import init_from_env
+from moetron.parallel.config import ParallelConfig
+from moetron.recipes import RECIPES, get_recipe
 from moetron.recipes.catalog import DEFAULT_RECIPE
+from moetron.recipes.toml_io import dump_recipe, load_recipe
+from moetron.train.trainer import train
+
+
+def _recipe(args) -> Recipe:
+    """`--config FILE.toml` or `--recipe NAME`, then the `--set` overrides on top."""
+    if args.config and args.recipe:
+        raise ValueError("give either --recipe NAME or --config FILE.toml, not both")
+    base = load_recipe(args.config) if args.config else get_recipe(args.recipe or DEFAULT_RECIPE)
+    return apply_overrides(base, args.set or [])
 
 
 def _cmd_train(args) -> int:
-    from moetron.recipes import apply_overrides, get_recipe
-    from moetron.train.trainer import train
-
-    recipe = apply_overrides(get_recipe(args.recipe), args.set or [])
+    recipe = _recipe(args)
     history = train(recipe)
     if torch.distributed.is_initialized():
         rank = torch.distributed.get_rank()
@@ -30,9 +49,10 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_recipes(args) -> int:
-    from moetron.model.size import model_size
-    from moetron.recipes import RECIPES
-
+    if args.dump:
+        recipe = load_recipe(args.dump) if args.dump.endswith(".toml") else get_recipe(args.dump)
+        print(dump_recipe(recipe, full=args.full), end="")
+        return 0
     print(f"{'recipe':<22} {'params':>9} {'active':>9}  {'layout':<28} description")
     for name, build in RECIPES.items():
         r = build()
@@ -50,9 +70,17 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def _cmd_env(args) -> int:
-    from moetron.backends import format_env
+def format_env() -> str:
+    """`moetron env`: every optional backend and permute implementation, available or why not."""
+    rows = [f"{'backend':<20} {'available':<10} reason"]
+    rows += [f"{s.name:<20} {'yes' if s.available else 'no':<10} {s.reason}" for s in backend_status()]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows += [f"{'permute:' + name:<20} {'yes' if ok else 'no':<10} {why}"
+             for name, ok, why in impl_status(device, build=False)]
+    return "\n".join(rows)
 
+
+def _cmd_env(args) -> int:
     print(format_env())
     return 0
 
@@ -61,16 +89,12 @@ def _cmd_data(args) -> int:
     """`moetron data prepare ...` and `moetron data info FOLDER`."""
     try:
         if args.data_command == "info":
-            from moetron.data.packed import PreparedCorpus
-
             c = PreparedCorpus(args.folder)
             m = c.meta
             print(f"{c.path}: {c.num_documents:,} documents, {c.num_tokens:,} tokens ({m['dtype']}), vocabulary "
                   f"{c.vocab_size:,}, separator {m['separator']!r} = {c.separator_id}, "
                   f"{len(m.get('sources', []))} source file(s), prepared {m.get('created', '?')}")
             return 0
-        from moetron.data.prepare import prepare
-
         summary = prepare(args.inputs, args.tokenizer, args.output, text_key=args.text_key, text_mode=args.text_mode,
                           input_fmt=args.format, separator=args.separator, overwrite=args.overwrite,
                           errors=args.errors, batch_docs=args.batch_docs)
@@ -120,11 +144,6 @@ def _size(text: str) -> int:
 
 
 def _cmd_convert(args) -> int:
-    import math
-    import os
-
-    from moetron.bridge.convert import format_summary, hf_to_moetron, moetron_to_hf
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.direction == "moetron-to-hf":
         if world > 1:
@@ -134,9 +153,6 @@ def _cmd_convert(args) -> int:
                                 fused_experts=args.fused_experts, overwrite=args.overwrite, progress=not args.quiet)
         print(format_summary(summary))
         return 0
-    from moetron.parallel import init_from_env
-    from moetron.parallel.config import ParallelConfig
-
     parallel = ParallelConfig(tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp, vpp=args.vpp, layout=args.layout,
                               schedule=args.schedule)
     ps = init_from_env(parallel) if world > 1 else None
@@ -161,11 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moetron", description="Train Mixture-of-Experts language models.")
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="train a recipe (default: the tiny Qwen3-MoE proxy on built-in data)")
-    p_train.add_argument("--recipe", default=DEFAULT_RECIPE, help=f"recipe name (default {DEFAULT_RECIPE})")
+    p_train.add_argument("--recipe", default=None, help=f"recipe name (default {DEFAULT_RECIPE}; `moetron recipes`)")
+    p_train.add_argument("--config", metavar="FILE.toml", help="a recipe file (e.g. recipes/qwen3-moe-tiny.toml)")
     p_train.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                          help="override a field, e.g. --set train.steps=20 --set model.num_layers=2")
     p_train.set_defaults(func=_cmd_train)
-    sub.add_parser("recipes", help="list recipes with sizes and default layouts").set_defaults(func=_cmd_recipes)
+    p_rec = sub.add_parser("recipes", help="list recipes with sizes and default layouts, or print one as TOML")
+    p_rec.add_argument("--dump", metavar="NAME|FILE.toml", help="print this recipe as TOML (a file to edit)")
+    p_rec.add_argument("--full", action="store_true", help="with --dump: every field, not only the set ones")
+    p_rec.set_defaults(func=_cmd_recipes)
     sub.add_parser("env", help="show which backends are available and why not").set_defaults(func=_cmd_env)
     p_conv = sub.add_parser("convert", help="convert checkpoints between Hugging Face and moetron")
     directions = p_conv.add_subparsers(dest="direction", required=True)

@@ -1,19 +1,20 @@
-"""ModelConfig: the two model families moetron trains, as one validated dataclass."""
+"""The configuration of a run, pure and validated when built: ModelConfig (the two model families),
+TrainConfig, Recipe (model + train + parallel), and `--set section.field=value` overrides.
+MoEConfig and ParallelConfig live beside their owners (moe/, parallel/)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from dataclasses import dataclass, field
 
 from moetron.moe.config import MoEConfig
+from moetron.ops import recompute
+from moetron.parallel.config import ParallelConfig
 
 FAMILIES = ("qwen3_moe", "deepseek_v3")
 ATTENTION_BACKENDS = ("sdpa", "eager", "flash_attn", "te")
-# Selective recompute options (moetron/model/recompute.py): pieces run under a checkpoint, and
-# pieces whose output is discarded once its consumer saved it and recomputed in backward.
-RECOMPUTE_CHECKPOINTED = ("core_attn", "mlp", "moe", "shared_experts")
-RECOMPUTE_OUTPUT_DISCARDING = ("moe_act", "layernorm", "mla_up_proj")
-RECOMPUTE_MODULES = RECOMPUTE_CHECKPOINTED + RECOMPUTE_OUTPUT_DISCARDING
 
 
 def _fail(field_name: str, value, rule: str) -> None:
@@ -79,7 +80,7 @@ class ModelConfig:
     attention_backend: str = "sdpa"
 
     # Activation recomputation (no effect on the numerics): selective pieces, and the whole of
-    # every n-th decoder layer (0: none). See moetron/model/recompute.py.
+    # every n-th decoder layer (0: none). See moetron/ops/recompute.py.
     recompute_modules: list[str] = field(default_factory=list)
     recompute_every_n_layers: int = 0
 
@@ -118,11 +119,11 @@ class ModelConfig:
         if isinstance(self.recompute_modules, str) or not all(isinstance(m, str) for m in self.recompute_modules):
             _fail("recompute_modules", self.recompute_modules,
                   'must be a list of module names, e.g. ["moe_act", "layernorm"]')
-        bad = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        bad = [m for m in self.recompute_modules if m not in recompute.MODULES]
         if bad:
             _fail("recompute_modules", self.recompute_modules,
-                  f"unknown module {bad[0]!r}; valid: {', '.join(RECOMPUTE_CHECKPOINTED)} (checkpointed), "
-                  f"{', '.join(RECOMPUTE_OUTPUT_DISCARDING)} (output-discarding)")
+                  f"unknown module {bad[0]!r}; valid: {', '.join(recompute.CHECKPOINTED)} (checkpointed), "
+                  f"{', '.join(recompute.OUTPUT_DISCARDING)} (output-discarding)")
         if (not isinstance(self.recompute_every_n_layers, int) or isinstance(self.recompute_every_n_layers, bool)
                 or self.recompute_every_n_layers < 0):
             _fail("recompute_every_n_layers", self.recompute_every_n_layers,
@@ -164,3 +165,145 @@ class ModelConfig:
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, batch, data and logging settings of a run (pure: files and optional packages
+    are checked when the run is set up, in train/setup.py)."""
+
+    steps: int = 100
+    seq_len: int = 128
+    micro_batch_size: int = 8
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 1
+    metrics_file: str | None = None
+    data: str = "builtin"  # "builtin" (the Python standard library's sources, byte-tokenized) or a
+    # folder made by `moetron data prepare`
+    data_mask_boundary: bool = False  # ignore the label after each document separator
+    tensorboard_dir: str | None = None  # needs the `tensorboard` package
+    peak_tflops: float | None = None  # the device's peak, for the MFU estimate
+    save_dir: str | None = None  # checkpoints go to SAVE_DIR/step-NNNNNNNN/
+    save_every: int = 0  # steps between checkpoints; 0 saves only at the end (when save_dir is set)
+    resume: bool = False  # continue from SAVE_DIR/latest when it exists
+    init_hf: str | None = None  # start from this Hugging Face folder's weights (unless resuming)
+    export_hf: str | None = None  # after the last step, write the final checkpoint here as a hub folder
+    fp8: str | None = None  # FP8 recipe for linear layers and experts: tensorwise, delayed, blockwise
+    fp8_backend: str = "auto"  # auto, emulate, torch (torch._scaled_mm), te (Transformer Engine)
+    dtype: str = "fp32"  # parameters: fp32, or bf16 (with fp32 gradients, master weights and moments)
+    device: str = "auto"  # auto (this rank's GPU when CUDA is available, else the CPU), cpu, cuda
+    fusion: str = "none"  # elementwise kernels: none (eager reference) or compile (torch.compile'd, same math)
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: "stop" (raise) or "skip" the update
+    collective_timeout_s: float = 1800.0  # how long a collective waits for a dead or stuck rank
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seq_len", "micro_batch_size", "grad_accum", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.lr <= 0:
+            raise ValueError(f"TrainConfig.lr={self.lr} must be > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"TrainConfig.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.save_every < 0:
+            raise ValueError(f"TrainConfig.save_every={self.save_every} must be >= 0")
+        if self.export_hf and not self.save_dir:
+            raise ValueError("TrainConfig.export_hf needs train.save_dir: the export is made from the final "
+                             "checkpoint")
+        if self.resume and not self.save_dir:
+            raise ValueError("TrainConfig.resume=true needs train.save_dir")
+        if self.warmup_steps < 0:
+            raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"TrainConfig.dtype={self.dtype!r}: choose fp32 or bf16")
+        if self.fusion not in ("none", "compile"):
+            raise ValueError(f"TrainConfig.fusion={self.fusion!r}: choose none or compile")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"TrainConfig.device={self.device!r}: choose auto, cpu or cuda")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"TrainConfig.on_nonfinite={self.on_nonfinite!r}: choose 'stop' (raise an error "
+                             "naming the step and rank) or 'skip' (drop that step's update and go on)")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"TrainConfig.collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds a "
+                             "collective waits for the other ranks before failing)")
+        if self.fp8 is not None and self.fp8 not in ("tensorwise", "delayed", "blockwise"):
+            raise ValueError(f"TrainConfig.fp8={self.fp8!r}: choose tensorwise, delayed or blockwise (or null)")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up then cosine decay to `lr * min_lr_ratio` (step counts from 0)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        floor = self.lr * self.min_lr_ratio
+        return floor + (self.lr - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+@dataclass
+class Recipe:
+    """A complete run: model + training + parallel layout (recipes/*.toml hold the shipped ones)."""
+
+    name: str
+    description: str
+    model: ModelConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def _coerce(text: str, current, path: str):
+    """Parse `text` into the type of the field's current value (JSON for lists, dicts, None)."""
+    if isinstance(current, bool):
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(f"--set {path}={text}: expected true or false")
+    if isinstance(current, str):  # "none" is a valid string value (aux_loss_type=none); null unsets
+        return None if text.lower() == "null" else text
+    if text.lower() in ("none", "null"):
+        return None
+    if current is None:  # unset optional field: a JSON value if it parses, else the text itself
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+    try:
+        if isinstance(current, int):
+            return int(text)
+        if isinstance(current, float):
+            return float(text)
+        if isinstance(current, str):
+            return text
+        return json.loads(text)
+    except (ValueError, json.JSONDecodeError):
+        kind = type(current).__name__ if current is not None else "JSON"
+        raise ValueError(f"--set {path}={text}: expected a value of type {kind}") from None
+
+
+ALIASES = {"init.hf": "train.init_hf", "export.hf": "train.export_hf"}  # spellings the docs use
+
+
+def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
+    """Apply `section.field=value` overrides; every section is re-validated afterwards."""
+    sections = {"model": recipe.model, "train": recipe.train, "parallel": recipe.parallel}
+    changes: dict[str, dict] = {name: {} for name in sections}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected section.field=value, e.g. train.steps=20")
+        path, text = item.split("=", 1)
+        path = ALIASES.get(path.strip(), path)
+        section, _, name = path.strip().partition(".")
+        if section not in sections:
+            raise ValueError(f"--set {path}: unknown section {section!r}; use one of {sorted(sections)}")
+        obj = sections[section]
+        known = {f.name for f in dataclasses.fields(obj)}
+        if name not in known:
+            raise ValueError(f"--set {path}: {type(obj).__name__} has no field {name!r}; "
+                             f"fields: {', '.join(sorted(known))}")
+        changes[section][name] = _coerce(text.strip(), getattr(obj, name), path)
+    return dataclasses.replace(recipe, **{s: dataclasses.replace(sections[s], **c) for s, c in changes.items()})

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from moetron.bridge import CheckpointError, config_from_hf, config_to_hf, from_hf, to_hf
-from moetron.bridge import safetensors_io
+from moetron.checkpoint import safetensors_io
 from moetron.config import ModelConfig
 from moetron.model.model import MoETransformer
 from moetron.precision.blockwise import quantize_blockwise

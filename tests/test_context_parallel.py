@@ -14,15 +14,14 @@ import torch
 
 from dist_utils import run_distributed
 from moetron.config import ModelConfig
-from moetron.model.attention_core import core_attention
+from moetron.ops.attention_core import core_attention
 from moetron.model.model import MoETransformer
 from moetron.model.rope import RotaryEmbedding
 from moetron.moe import balancing
 from moetron.parallel import ParallelConfig, ParallelState
-from moetron.parallel.context_parallel import (ContextParallelModel, attend_local_chunks, chunk_ids,
-                                               context_parallelize, gather_from_cp, local_positions,
+from moetron.model.parallelize import ContextParallelModel, context_parallelize, tensor_parallelize, unshard_tensors
+from moetron.parallel.context_parallel import (attend_local_chunks, chunk_ids, gather_from_cp, local_positions,
                                                merge_cp_shards, split_batch, split_for_cp)
-from moetron.parallel.parallelize import tensor_parallelize, unshard_tensors
 from moetron.parallel.state import Group
 
 V, B, S = 96, 2, 16  # S divisible by 2*cp for cp = 1, 2, 4

@@ -20,10 +20,11 @@ from safetensors.torch import load_file, save_file
 
 from dist_utils import run_distributed
 from moetron.bridge import CheckpointError, from_hf, to_hf
-from moetron.bridge.convert import HFSource, hf_to_moetron, moetron_to_hf
+from moetron.bridge.convert import hf_to_moetron, moetron_to_hf
+from moetron.bridge.hub import HFSource
 from moetron.cli import main
 from moetron.model.model import MoETransformer
-from moetron.train.sharded_checkpoint import StoreReader, read_meta
+from moetron.checkpoint.sharded import StoreReader, read_meta
 from test_bridge import EXPORTS, build, deepseek_config, fp8_model, is_quantized_key, qwen_config, randomize_
 
 INDEX = "model.safetensors.index.json"

@@ -23,7 +23,7 @@ import torch
 from dist_utils import run_distributed
 from moetron.model.model import MoETransformer
 from moetron.recipes import apply_overrides, get_recipe
-from moetron.train.checkpoint import latest_checkpoint, load_checkpoint
+from moetron.checkpoint.training import latest_checkpoint, load_checkpoint
 from moetron.train.trainer import train
 
 STEPS = 3

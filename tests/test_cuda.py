@@ -204,10 +204,10 @@ def test_dispatchers_over_nccl_match_local(nccl_world):
 def test_flex_low_latency_round_trip_in_a_cuda_graph(nccl_world):
     """Low-latency dispatch + combine captured in a CUDA graph (possible only without host syncs)
     and replayed on new inputs: combine(dispatch(x)) with identity experts is sum_k w_k x."""
-    from moetron.dispatch.flex import FlexDispatcher
+    from moetron.dispatch.flex import FlexBuffer
 
     E, H, T, k = 8, 128, 64, 2
-    flex = FlexDispatcher(nccl_world, E, backend="torch")
+    flex = FlexBuffer(nccl_world, E, backend="torch")
     x = torch.empty(T, H, device=DEV, dtype=torch.bfloat16)
     idx = torch.empty(T, k, device=DEV, dtype=torch.long)
     w = torch.empty(T, k, device=DEV)

@@ -420,6 +420,7 @@ def test_a_corpus_larger_than_memory_maps_and_samples(tmp_path):
 
 def test_trainer_trains_on_a_prepared_folder(prepared, tmp_path):
     from moetron.recipes import apply_overrides, get_recipe
+    from moetron.train.setup import check_run_inputs
     from moetron.train.trainer import train
 
     folder = prepared[0] if isinstance(prepared, tuple) else prepared
@@ -432,4 +433,4 @@ def test_trainer_trains_on_a_prepared_folder(prepared, tmp_path):
     assert len(history) == 8 and all(math.isfinite(h["loss"]) for h in history)
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 8
     with pytest.raises(ValueError, match="moetron data prepare"):
-        apply_overrides(get_recipe("qwen3-moe-tiny"), [f"train.data={tmp_path}"])
+        check_run_inputs(apply_overrides(get_recipe("qwen3-moe-tiny"), [f"train.data={tmp_path}"]))

@@ -18,12 +18,13 @@ import torch
 from dist_utils import run_distributed
 from moetron.config import ModelConfig
 from moetron.model.model import MoETransformer
-from moetron.model.recompute import set_recompute
+from moetron.ops.recompute import set_recompute
 from moetron.moe.layer import MoELayer
 from moetron.parallel import ParallelConfig, ParallelState
-from moetron.parallel.parallelize import expert_parallelize
+from moetron.model.parallelize import expert_parallelize
 from moetron.pipeline import build_schedule, parse_layout
-from moetron.pipeline.overlap import CommPiece, Transfer, pair_forward_backward
+from moetron.moe.pieces import CommPiece, Transfer
+from moetron.pipeline.overlap import pair_forward_backward
 from moetron.pipeline.runtime import run_schedule
 from moetron.pipeline.schedules import validate_schedule
 from moetron.pipeline.stage import MicroBatch, PipelineStageModule, build_stage_modules

@@ -1,4 +1,4 @@
-"""FlexDispatcher (DeepEP-style dispatch/combine) and FlexTokenDispatcher on gloo.
+"""FlexBuffer (DeepEP-style dispatch/combine) and FlexTokenDispatcher on gloo.
 
 The checks follow DeepEP's own tests (REFERENCE §2): every rank sends rows that carry its rank,
 so each received row names its source; counts must equal all-reduced layout counts; combine of a
@@ -20,7 +20,7 @@ from dist_utils import run_distributed
 from torch.testing import assert_close
 
 from moetron.dispatch.base import LocalDispatcher
-from moetron.dispatch.flex import FlexDispatcher, FlexTokenDispatcher
+from moetron.dispatch.flex import FlexBuffer, FlexTokenDispatcher
 from moetron.dispatch.fp8_dispatch import FP8_E4M3_MAX, dequantize_rows, quantize_rows
 from moetron.dispatch.routing import Routing
 from moetron.moe.grouped_gemm import grouped_linear
@@ -258,7 +258,7 @@ def check_fp8_dispatch(group, me, R, seed):
     H = 160  # one full 1×128 block and a partial one
     idxs, ws, xs = setup(seed, R, H, list(range(E)))
     idx, w, x = idxs[me], ws[me], xs[me]
-    plain = FlexDispatcher(group, E)
+    plain = FlexBuffer(group, E)
     layout = plain.get_dispatch_layout(idx)[:3]
     args = (idx, w, layout[0], layout[2], layout[1])
     xp = x.clone().requires_grad_()
@@ -266,7 +266,7 @@ def check_fp8_dispatch(group, me, R, seed):
     g = torch.randn(ref_x.shape, generator=torch.Generator().manual_seed(seed + me))
     (ref_x * g).sum().backward()
     for pow2 in (False, True):
-        fp8 = FlexDispatcher(group, E, fp8=True, fp8_power_of_two=pow2)
+        fp8 = FlexBuffer(group, E, fp8=True, fp8_power_of_two=pow2)
         xf = x.clone().requires_grad_()
         recv, _, recv_w, _, handle, event = fp8.dispatch(xf, *args, async_finish=True)
         event.wait()
@@ -336,7 +336,7 @@ def check_token_dispatcher(group, me, R, seed, etp, allowed):
 
 def run_all(rank, world_size):
     group = dist.group.WORLD
-    flex = FlexDispatcher(group, E)
+    flex = FlexBuffer(group, E)
     assert flex.local_experts == range(rank * E // world_size, (rank + 1) * E // world_size)
     normal = check_contract(flex, rank, world_size, seed=1, allowed=list(range(E)))
     # skewed: the last rank's experts are never chosen, so it receives nothing
@@ -349,7 +349,7 @@ def run_all(rank, world_size):
     check_token_dispatcher(group, rank, world_size, seed=6, etp=1, allowed=list(range(E)))
     check_token_dispatcher(group, rank, world_size, seed=7, etp=2, allowed=list(range(E - L)))
     with pytest.raises(ValueError, match="does not divide num_experts"):
-        FlexDispatcher(group, E + 1)
+        FlexBuffer(group, E + 1)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -361,7 +361,7 @@ def test_flex_dispatcher_distributed(world_size):
 
 
 def test_group_of_one_is_the_identity():
-    flex = FlexDispatcher(None, E)
+    flex = FlexBuffer(None, E)
     idx, w = draw_routing(9, 0, 7, list(range(E)))
     x = draw_x(9, 0, 7, 16)
     per_rank, per_expert, in_rank, _ = flex.get_dispatch_layout(idx)
@@ -398,11 +398,11 @@ def test_fp8_rows_round_trip_and_power_of_two_scales():
 
 def test_unavailable_and_unknown_backends_fail_clearly():
     with pytest.raises(RuntimeError, match="deep_ep"):
-        FlexDispatcher(None, E, backend="deepep")
+        FlexBuffer(None, E, backend="deepep")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="nvshmem.*unavailable: no CUDA"):
-            FlexDispatcher(None, E, backend="nvshmem")
+            FlexBuffer(None, E, backend="nvshmem")
     with pytest.raises(ValueError, match="unknown flex dispatcher backend"):
-        FlexDispatcher(None, E, backend="hybridep")
+        FlexBuffer(None, E, backend="hybridep")
     with pytest.raises(ValueError, match="expert ids in"):
-        FlexDispatcher(None, E).get_dispatch_layout(torch.tensor([[0, E]]))
+        FlexBuffer(None, E).get_dispatch_layout(torch.tensor([[0, E]]))

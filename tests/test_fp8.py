@@ -34,14 +34,15 @@ from torch import nn
 from dist_utils import run_distributed
 from moetron import MoEConfig, MoELayer
 from moetron.model.model import MoETransformer
-from moetron.model.norm import RMSNorm
+from moetron.ops.norm import RMSNorm
 from moetron.moe.experts import GroupedExperts
 from moetron.moe.router import TopKRouter
 from moetron.precision import (FP8GroupedExperts, FP8Linear, apply_fp8, fp8_grouped_linear, fp8_modules,
                                fp8_state_dict, get_fp8_recipe, load_fp8_state_dict)
 from moetron.precision import fp8
-from moetron.recipes.catalog import deepseek_v3_tiny, qwen3_moe_tiny
-from moetron.train.data import TokenBatches, stdlib_corpus
+from moetron.precision import fp8_matmul as gemms
+from moetron.recipes import get_recipe
+from moetron.data.builtin import TokenBatches, stdlib_corpus
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FMAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -280,7 +281,7 @@ def test_torch_scaled_mm_backend_equals_emulation(recipe):
     for backend in ("emulate", "torch"):
         r = get_fp8_recipe(recipe, backend=backend, amax_history_len=2)
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = fp8.fp8_linear(xs, ws[0], None, r, torch.zeros(3, 2, 1)) + \
+        y = gemms.fp8_linear(xs, ws[0], None, r, torch.zeros(3, 2, 1)) + \
             fp8_grouped_linear(xs, ws, groups, r, torch.zeros(3, 2, 2))
         y.backward(dy)
         outs[backend] = (y.detach(), xs.grad, ws.grad)
@@ -294,7 +295,7 @@ def test_torch_scaled_mm_backend_equals_emulation(recipe):
 
 
 def test_apply_fp8_scope_names_and_padding():
-    cfg = dataclasses.replace(deepseek_v3_tiny().model, num_layers=2)
+    cfg = dataclasses.replace(get_recipe("deepseek-v3-tiny").model, num_layers=2)
     torch.manual_seed(0)
     model = MoETransformer(cfg)
     before = dict(model.state_dict(keep_vars=True))
@@ -337,13 +338,13 @@ def test_apply_fp8_scope_names_and_padding():
         apply_fp8(nn.Linear(4, 4), "mxfp8")
     with pytest.raises(ValueError, match="E4M3 everywhere"):
         get_fp8_recipe("blockwise", fp8_format="hybrid")
-    if not fp8._te_available():
+    if not gemms._te_available():
         with pytest.raises(RuntimeError, match="transformer_engine"):
             apply_fp8(nn.Linear(4, 4), get_fp8_recipe("tensorwise", backend="te"))
 
 
 def test_fp8_state_dict_round_trip():
-    cfg = dataclasses.replace(qwen3_moe_tiny().model, num_layers=1)
+    cfg = dataclasses.replace(get_recipe("qwen3-moe-tiny").model, num_layers=1)
     ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(7))
     models = []
     for _ in range(2):
@@ -372,7 +373,7 @@ def corpus():
 
 
 def train_losses(recipe):
-    cfg = dataclasses.replace(qwen3_moe_tiny().model, num_layers=2)
+    cfg = dataclasses.replace(get_recipe("qwen3-moe-tiny").model, num_layers=2)
     data = TokenBatches(corpus(), SEQ, BATCH, seed=0)
     torch.manual_seed(0)
     model = MoETransformer(cfg)
@@ -502,7 +503,7 @@ def check_expert_parallel(rank, ps, ref):
 
 
 def dp_model(init, recipe):
-    cfg = dataclasses.replace(deepseek_v3_tiny().model, num_layers=2)
+    cfg = dataclasses.replace(get_recipe("deepseek-v3-tiny").model, num_layers=2)
     model = MoETransformer(cfg)
     model.load_state_dict(init)
     return apply_fp8(model, ep_recipe(recipe))
@@ -517,7 +518,7 @@ def dp_reference():
     """Two single-process FP8 replicas (each with its own scaling state) on the two shards: mean
     gradient, global-norm clipping, torch AdamW (no decay on 1-D parameters)."""
     torch.manual_seed(0)
-    cfg = dataclasses.replace(deepseek_v3_tiny().model, num_layers=2)
+    cfg = dataclasses.replace(get_recipe("deepseek-v3-tiny").model, num_layers=2)
     init = {k: v.clone() for k, v in MoETransformer(cfg).state_dict().items()}
     out = {"init": init}
     batches = dp_batches()

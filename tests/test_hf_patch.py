@@ -1,4 +1,4 @@
-"""`moetron.integrations.hf.patch` against the unpatched transformers model (the reference).
+"""`moetron.integrations.transformers.patch` against the unpatched transformers model (the reference).
 
 Each family builds a tiny random transformers model whose weights are re-drawn with std
 fan_in**-0.5 (router logits O(1), so routing really depends on them; the DeepSeek expert bias
@@ -29,7 +29,7 @@ from transformers import (  # noqa: E402
 
 from dist_utils import run_distributed  # noqa: E402
 from moetron import MoELayer  # noqa: E402
-from moetron.integrations import hf  # noqa: E402
+import moetron.integrations.transformers as hf  # noqa: E402
 
 VOCAB, BATCH, SEQ = 61, 2, 12
 RTOL = 1e-5

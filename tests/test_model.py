@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from moetron import ops
 from moetron.config import ModelConfig
-from moetron.model.attention_core import core_attention
+from moetron.ops.attention_core import core_attention
 from moetron.model.model import MoETransformer
 from moetron.model.rope import RotaryEmbedding
 

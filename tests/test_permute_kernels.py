@@ -24,7 +24,7 @@ import warnings
 import pytest
 import torch
 
-from moetron.dispatch import permute_kernels
+from moetron.dispatch import permute as permute_impls
 from moetron.dispatch.permute import permute, unpermute
 from moetron.kernels import cpp_build
 
@@ -310,7 +310,7 @@ def test_pad_to_smaller_than_load_is_an_error_in_every_impl():
 
 def test_auto_picks_cpp_on_cpu_and_state_carries_the_choice():
     require_cpp()
-    assert permute_kernels.resolve("auto", None, torch.device("cpu")) == ("cpp", False)
+    assert permute_impls.resolve("auto", None, torch.device("cpu")) == ("cpp", False)
     x_NH, state = permute(torch.randn(4, 8), torch.tensor([[0], [1], [0], [1]]), 2, impl="auto")
     assert state.impl == "cpp"
     assert unpermute(x_NH, state).shape == (4, 8)
@@ -318,14 +318,14 @@ def test_auto_picks_cpp_on_cpu_and_state_carries_the_choice():
 
 def test_process_default_is_used_when_no_impl_is_given(monkeypatch):
     require_cpp()
-    monkeypatch.setattr(permute_kernels, "_default_impl", "torch")
-    monkeypatch.setattr(permute_kernels, "_default_deterministic", False)
-    permute_kernels.set_permute_impl("cpp", deterministic=True)
-    assert permute_kernels.permute_impl() == ("cpp", True)
+    monkeypatch.setattr(permute_impls, "_default_impl", "torch")
+    monkeypatch.setattr(permute_impls, "_default_deterministic", False)
+    permute_impls.set_permute_impl("cpp", deterministic=True)
+    assert permute_impls.permute_impl() == ("cpp", True)
     _, state = permute(torch.randn(3, 4), torch.tensor([[1], [0], [1]]), 2)
     assert (state.impl, state.deterministic) == ("cpp", True)
     with pytest.raises(ValueError, match="unknown"):
-        permute_kernels.set_permute_impl("cuda")
+        permute_impls.set_permute_impl("cuda")
 
 
 def test_unknown_impl_is_an_error():
@@ -334,13 +334,13 @@ def test_unknown_impl_is_an_error():
 
 
 def test_unavailable_triton_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(permute_kernels, "_triton_installed", lambda: False)
+    monkeypatch.setattr(permute_impls, "_triton_installed", lambda: False)
     with pytest.raises(RuntimeError, match="'triton' was requested but is unavailable: python package 'triton' is not"):
         permute(torch.randn(2, 4), torch.tensor([[0], [1]]), 2, impl="triton")
 
 
 def test_cpp_on_a_non_cpu_device_is_a_clear_error():
-    ok, reason = permute_kernels.impl_status("meta")[1][1:]
+    ok, reason = permute_impls.impl_status("meta")[1][1:]
     assert not ok and "CPU tensors only" in reason
 
 
@@ -349,8 +349,8 @@ def fresh_cpp_state(monkeypatch, tmp_path):
     """Forget the real build for one test (monkeypatch restores it afterwards)."""
     monkeypatch.setattr(cpp_build, "_result", None)
     monkeypatch.setattr(cpp_build, "_build_seconds", None)
-    monkeypatch.setattr(permute_kernels, "_fallback_noticed", False)
-    monkeypatch.setattr(permute_kernels, "_kernel_sets", {})
+    monkeypatch.setattr(permute_impls, "_fallback_noticed", False)
+    monkeypatch.setattr(permute_impls, "_kernel_sets", {})
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     return monkeypatch
 

@@ -4,11 +4,12 @@ import re
 
 import pytest
 
+from moetron.recipes import get_recipe
 from moetron.pipeline.layout import (
     ItemCosts,
     LayoutError,
     balanced_layout,
-    estimate_item_costs,
+    item_costs,
     format_layout,
     parse_layout,
 )
@@ -140,19 +141,14 @@ def test_balanced_layout_uniform_layers():
 
 def test_estimated_costs_reproduce_deepseek_v3_layout():
     """DeepSeek-V3's published PP16xVPP2 layout (REFERENCE §3) balances the FLOP estimate."""
-    costs = estimate_item_costs(
-        hidden_size=7168, num_layers=61, vocab_size=129280, seq_len=4096, ffn_hidden_size=18432,
-        num_experts=256, moe_ffn_hidden_size=2048, top_k=8, num_shared_experts=1,
-        first_k_dense=3, mtp_layers=1,
-    )
+    costs = item_costs(get_recipe("deepseek-v3-671b").model, seq_len=4096)
     assert len(costs.layers) == 61 and len(costs.mtp) == 1
     assert costs.layers[3] > costs.layers[0]  # MoE layers do more work per token than dense ones
     assert balanced_layout(costs, pp=16, vpp=2) == "Et*3|(tt|)*29m|L"
 
 
 def test_memory_weight_moves_cost_to_parameters():
-    kwargs = dict(hidden_size=64, num_layers=4, vocab_size=1000, seq_len=32, ffn_hidden_size=128,
-                  num_experts=8, top_k=2)
-    time_only = estimate_item_costs(**kwargs)
-    with_memory = estimate_item_costs(**kwargs, memory_weight=1.0)
+    cfg = get_recipe("qwen3-moe-tiny").model.replace(vocab_size=1000)
+    time_only = item_costs(cfg, seq_len=32)
+    with_memory = item_costs(cfg, seq_len=32, memory_weight=1.0)
     assert time_only.embedding < 0.01 < with_memory.embedding  # a lookup is cheap, its table is not

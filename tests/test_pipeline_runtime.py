@@ -19,7 +19,8 @@ from moetron.model.model import MoETransformer
 from moetron.moe.layer import MoELayer
 from moetron.pipeline import LayoutError, ScheduleError, build_schedule, parse_layout
 from moetron.pipeline.p2p import plan_messages
-from moetron.pipeline.runtime import backward_input, run_schedule, sync_shared_parameters
+from moetron.pipeline.runtime import run_schedule, sync_shared_parameters
+from moetron.pipeline.split_backward import backward_input
 from moetron.pipeline.schedules import SCHEDULES
 from moetron.pipeline.stage import MicroBatch, PipelineStageModule, build_stage_modules, even_layout
 

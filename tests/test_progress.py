@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from moetron.train.progress import (MetricsLogger, ProgressBar, format_duration, format_metrics, require_tensorboard,
+from moetron.progress import ProgressBar, format_duration
+from moetron.train.metrics import (MetricsLogger, format_metrics, require_tensorboard,
                                     scalar_items)
 
 

@@ -1,4 +1,4 @@
-"""Selective and full-layer activation recomputation (moetron/model/recompute.py).
+"""Selective and full-layer activation recomputation (moetron/ops/recompute.py).
 
 Recomputation must not change the numerics at all: with each option (and with all of them, and
 with full-layer recompute) the loss, every gradient, the balancing losses and the routing counts
@@ -17,12 +17,13 @@ import torch
 
 from dist_utils import run_distributed
 from moetron.config import ModelConfig
-from moetron.model import recompute
+from moetron.ops import recompute
 from moetron.model.activation_memory import ActivationMeter, layer_activation_bytes
 from moetron.model.model import MoETransformer
-from moetron.model.recompute import MODULES, set_recompute
+from moetron.ops.recompute import MODULES, set_recompute
 from moetron.pipeline import build_schedule, parse_layout
-from moetron.pipeline.runtime import backward_input, run_schedule
+from moetron.pipeline.runtime import run_schedule
+from moetron.pipeline.split_backward import backward_input
 from moetron.pipeline.stage import MicroBatch, PipelineStageModule, build_stage_modules
 
 V, B, S = 64, 2, 8
@@ -85,8 +86,8 @@ def assert_identical(got, want, what):
 
 
 def test_config_fields_validate_and_parse_from_the_command_line():
-    from moetron.recipes.catalog import get_recipe
-    from moetron.recipes.recipe import apply_overrides
+    from moetron.recipes import get_recipe
+    from moetron.config import apply_overrides
 
     with pytest.raises(ValueError, match=r"recompute_modules=\['moe_act', 'attn'\]: unknown module 'attn'; "
                                          r"valid: core_attn, mlp, moe, shared_experts \(checkpointed\), moe_act, "
@@ -321,8 +322,9 @@ def _layouts_worker(rank, world):
     same layout without recompute, bit for bit."""
     from moetron.moe import balancing
     from moetron.parallel import ParallelConfig, ParallelState
-    from moetron.parallel.context_parallel import context_parallelize, split_batch
-    from moetron.parallel.parallelize import expert_parallelize, tensor_parallelize
+    from moetron.model.parallelize import context_parallelize
+    from moetron.parallel.context_parallel import split_batch
+    from moetron.model.parallelize import expert_parallelize, tensor_parallelize
 
     torch.set_num_threads(1)
     ids, labels = data()

@@ -18,12 +18,12 @@ from safetensors.torch import load_file, save_file
 
 from dist_utils import run_distributed
 from moetron.bridge import CheckpointError
-from moetron.bridge.slices import SafetensorsFile, flat_range_boxes, numel, view_box
+from moetron.checkpoint.slices import SafetensorsFile, flat_range_boxes, numel, view_box
 from moetron.model.model import MoETransformer
 from moetron.recipes import apply_overrides, get_recipe
-from moetron.train.checkpoint import load_checkpoint
+from moetron.checkpoint.training import load_checkpoint
 from moetron.train.setup import build_optimizer
-from moetron.train.sharded_checkpoint import Placement, StoreReader, read_meta
+from moetron.checkpoint.sharded import Placement, StoreReader, read_meta
 from moetron.train.trainer import train
 
 BASE = ["model.num_layers=2", "train.seq_len=32", "train.micro_batch_size=2", "train.warmup_steps=1",
@@ -95,7 +95,7 @@ def _failing_writes(*args, **kwargs):
 def _save_and_resume(rank, world, root):
     import torch.distributed as dist
 
-    import moetron.train.checkpoint as checkpoint
+    import moetron.checkpoint.training as checkpoint
 
     root = Path(root)
     run = lambda *extra: losses(train(recipe(*extra), log=lambda s: None))  # noqa: E731
@@ -204,7 +204,7 @@ def _check_corruptions(tmp_path: Path) -> None:
 def test_fp8_amax_histories_are_restored_under_the_same_layout(tmp_path):
     from moetron.precision import apply_fp8, get_fp8_recipe
     from moetron.precision.fp8_modules import fp8_state_dict
-    from moetron.train.checkpoint import save_checkpoint
+    from moetron.checkpoint.training import save_checkpoint
 
     r = apply_overrides(get_recipe("qwen3-moe-tiny"), ["model.num_layers=2"])
 

@@ -19,10 +19,11 @@ from dist_utils import run_distributed
 from moetron.config import ModelConfig
 from moetron.model.model import MoETransformer
 from moetron.parallel import ParallelConfig, ParallelState
-from moetron.parallel.parallelize import TensorParallelMoETransformer, tensor_parallelize, unshard_tensors
+from moetron.model.parallelize import TensorParallelMoETransformer, tensor_parallelize, unshard_tensors
 from moetron.parallel.state import Group
-from moetron.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                              all_gather_linear, linear_reduce_scatter, vocab_parallel_cross_entropy)
+from moetron.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, all_gather_linear,
+                                              linear_reduce_scatter)
+from moetron.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 V, B, S = 96, 2, 8  # V is no other dimension of the models, so a [.., V] tensor is full logits
 

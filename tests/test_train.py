@@ -10,7 +10,7 @@ from moetron.model.model import MoETransformer
 from moetron.model.size import model_size
 from moetron.recipes import RECIPES, apply_overrides, get_recipe
 from moetron.train import trainer
-from moetron.train.data import TokenBatches, stdlib_corpus
+from moetron.data.builtin import TokenBatches, stdlib_corpus
 from moetron.train.setup import build_run
 from moetron.train.trainer import train
 
@@ -162,7 +162,7 @@ def test_resume_continues_bit_identically(tmp_path):
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path):
-    from moetron.train.checkpoint import load_checkpoint
+    from moetron.checkpoint.training import load_checkpoint
     from moetron.train.trainer import build_optimizer
 
     recipe = apply_overrides(get_recipe("qwen3-moe-tiny"), SMALL)
@@ -184,11 +184,10 @@ def test_fp8_training_tracks_fp32_first_steps():
 
 
 def test_default_pipeline_layout_is_balanced_by_flops():
-    from moetron.model.size import pipeline_item_costs
-    from moetron.pipeline import balanced_layout, parse_layout
+    from moetron.pipeline import balanced_layout, item_costs, parse_layout
 
     r = get_recipe("deepseek-v3-671b")
-    costs = pipeline_item_costs(r.model, r.train.seq_len)
+    costs = item_costs(r.model, r.train.seq_len)
     assert costs.layers[3] < costs.layers[0] * 2  # an MoE layer (37B active total) is not free
     text = balanced_layout(costs, pp=16)
     layout = parse_layout(text, num_layers=61, mtp_layers=1, pp=16)

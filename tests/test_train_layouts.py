@@ -18,7 +18,7 @@ the gradients to or below eps, where AdamW's step is proportional to the gradien
 is not amplified (layouts then agree to a few 1e-6); the clip coefficient, computed from the
 global norm over all shards, is exercised at every step.
 
-Data-parallel rank r takes global micro-batches r, r + D, ... (`moetron.train.data`), so the
+Data-parallel rank r takes global micro-batches r, r + D, ... (`moetron.data.builtin`), so the
 one-process reference accumulates D x grad_accum micro-batches. Every layout trains with its
 recipe's balancing loss (Qwen3: the Switch `aux_loss`; DeepSeek-V3: `seq_aux_loss`, its coefficient
 raised to 1e-2 so that a wrong balancing gradient shows in the weights), whose reported value is
@@ -38,8 +38,8 @@ from moetron.parallel.config import ParallelConfig
 from moetron.parallel.data_parallel import DataParallel
 from moetron.recipes import apply_overrides, get_recipe
 from moetron.train import trainer
-from moetron.train.checkpoint import latest_checkpoint, load_checkpoint
-from moetron.train.data import TokenBatches
+from moetron.checkpoint.training import latest_checkpoint, load_checkpoint
+from moetron.data.builtin import TokenBatches
 from moetron.train.trainer import train
 
 STEPS = 3

@@ -19,7 +19,7 @@ import torch
 
 from moetron.bridge.hf_config import config_from_hf, config_to_hf
 from moetron.bridge.keys import build_key_map, mtp_shared_copies
-from moetron.bridge.safetensors_io import CheckpointError, CheckpointReader, ShardWriter, atomic_folder
+from moetron.checkpoint.safetensors_io import CheckpointError, CheckpointReader, ShardWriter, atomic_folder
 from moetron.model.model import MoETransformer
 from moetron.precision.blockwise import dequantize_blockwise, quantize_blockwise
 

@@ -1,10 +1,10 @@
-// Fused permute / unpermute for CPU tensors (moetron.dispatch.permute_kernels, impl "cpp").
+// Fused permute / unpermute for CPU tensors (moetron.dispatch.permute, impl "cpp").
 //
 // Built on first use by moetron/kernels/cpp_build.py with torch.utils.cpp_extension.load and
 // registered as torch.ops.moetron_permute.*; no pybind11, and only the ATen headers it uses,
 // so the build stays short.
 //
-// Numerics are those of the deterministic torch reference in permute_kernels.py, bit for bit:
+// Numerics are those of the deterministic torch reference in dispatch/permute_reference.py, bit for bit:
 //  * permute copies rows (padding rows are zero);
 //  * a token's sum over its k slots runs in slot order k = 0..K-1 in the accumulation type
 //    (fp32 for fp16/bf16/fp32, fp64 for fp64), starting from +0, skipping dropped slots, and is
@@ -31,7 +31,7 @@ namespace {
 
 using at::Tensor;
 
-constexpr int64_t kLanes = 256;  // must equal DOT_LANES in permute_kernels.py and the Triton kernel
+constexpr int64_t kLanes = 256;  // must equal DOT_LANES in kernels/numerics.py and the Triton kernel
 
 template <typename T>
 struct Acc {

@@ -1,27 +1,6 @@
 """Training batches from a prepared folder: memory-mapped tokens, packed sequences, resumable sampling.
 
-`PreparedCorpus` maps the files `moetron data prepare` wrote (nothing is read into memory;
-every process of a run shares the page cache). `PackedBatches` serves micro-batches with the
-same contract as the built-in `moetron.train.data.TokenBatches`: `batch(step, index)` is a
-pure function of (seed, step, global micro-batch index), so sampling is deterministic,
-resumable from any step with no saved state, and independent of the parallel layout.
-
-Packing: the token stream is the documents back to back, each followed by the separator
-token, cut into non-overlapping sequences of `seq_len` inputs (sequence s holds tokens
-[s*L, s*L + L], the extra one for the last label). Sequences cross document boundaries, so
-no token is wasted on padding; attention is not masked at boundaries (the usual practice for
-pre-training: the separator tells the model a new document starts). Labels are the next
-tokens. With `mask_boundary_labels=True` the label of each separator position (the first
-token of the next document, which the previous document cannot predict) is -100, ignored by
-the loss; the default keeps it, as Megatron-LM does.
-
-Sampling: global sample g = (step * micro_batches_per_step + index) * batch_size + row.
-Epoch e = g // N (N sequences per epoch), and within an epoch sample g maps to sequence
-P_e(g mod N), where P_e is a pseudo-random permutation of [0, N) keyed by (seed, e) — a
-Feistel network with cycle walking, O(1) memory however large the corpus. Every sequence is
-seen exactly once per epoch, in a different order each epoch. `micro_batches_per_step` must
-be the run's global micro-batch count per optimizer step (grad_accum x data-parallel size);
-changing it (the global batch size) between a run and its resume moves the data position.
+Design notes: docs/data.md (`moetron/data/packed.py`).
 """
 
 from __future__ import annotations

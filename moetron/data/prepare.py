@@ -1,21 +1,6 @@
 """`moetron data prepare`: text / JSONL files -> a memory-mapped token file with a document index.
 
-The output is one folder (the format is described in `moetron.data`):
-
-    tokens.bin      every document's tokens followed by the separator token, back to back,
-                    little-endian uint16 (vocabularies up to 65,536) or uint32
-    doc_index.bin   little-endian int64 offsets, num_documents + 1 of them: document i is
-                    tokens[off[i] : off[i+1] - 1] and tokens[off[i+1] - 1] is the separator
-    tokenizer.json  a copy of the tokenizer used, so the folder is self-describing
-    meta.json       format, dtype, counts, separator, tokenizer hash, per-source counts
-
-Inputs are streamed: documents are read a batch at a time, tokenized with the Hugging Face
-`tokenizers` library (its Rust batch encoder, which uses every core) and appended to the
-files, so memory stays flat however large the corpus. The folder is built under a hidden
-temporary name next to the output and renamed when complete: an interrupted or failed run
-leaves nothing that looks like prepared data. Errors name the file and line at fault.
-
-`tokenizers` is not a dependency of moetron; it is imported only here, when asked for.
+Design notes: docs/data.md (`moetron/data/prepare.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +17,8 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
+
+from moetron.progress import ProgressBar
 
 FORMAT = "moetron.packed"
 FORMAT_VERSION = 1
@@ -279,7 +266,6 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLike, o
     skipped and counted.
     `errors='replace'` turns invalid UTF-8 / lone surrogates into U+FFFD instead of failing.
     """
-    from moetron.train.progress import ProgressBar
 
     if text_mode not in TEXT_MODES:
         raise ValueError(f"text_mode={text_mode!r}: choose one of {', '.join(TEXT_MODES)}")

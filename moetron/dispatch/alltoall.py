@@ -8,22 +8,7 @@
     combine:  the same steps mirrored; the ETP step becomes a reduce-scatter that also sums
               the experts' partial outputs; the final unpermute applies the gate weights.
 
-Phases (Megatron's dispatcher contract, REFERENCE §3): `dispatch_preprocess` (permute and the
-count exchange) -> the row all-to-all over EP (a `RowExchange`) -> `dispatch_postprocess`
-(ETP gather and regroup); `combine_preprocess` (un-regroup and ETP reduce-scatter) -> the
-all-to-all back -> `combine_postprocess` (unpermute with the gate weights). `dispatch` and
-`combine` simply chain them. A pipeline schedule runs the two all-to-alls on their own, as
-asynchronous communication pieces (moetron/pipeline/overlap.py), so they hide behind another
-micro-batch's compute; the ETP collectives stay synchronous inside the neighbouring phases.
-
-The host sync: all-to-all split sizes must be host integers, so after the count exchange
-`dispatch_preprocess` reads the counts once (`.tolist()`; a device-to-host copy on GPU). That
-sync is the one point of a dispatch that always waits. With `pad_to_capacity` every (rank,
-expert) block has exactly `capacity` rows, the splits are known in advance and that exchange
-and sync are skipped.
-
-Every step is an autograd op (comm.all_to_all, permute/unpermute), so backward is the
-mirror image without extra code.
+Design notes: docs/dispatch.md (`moetron/dispatch/alltoall.py`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """The dispatcher protocol, the single-process dispatcher, and what all dispatchers share.
 
-A dispatcher moves routed tokens to the ranks that hold their experts and back.
-`dispatch` returns expert-major rows for the local experts with their counts, plus
-a handle; `combine` takes the expert outputs and the handle and returns one
-gate-weighted row per source token. Parallel dispatchers (all-gather, all-to-all,
-flex) implement the same two calls.
-
-Under expert-tensor parallelism the experts return partial sums (each ETP rank
-holds a slice of the ffn dimension); the parallel dispatchers' `combine` adds
-them up, so the expert module itself never communicates.
-
-A dispatcher may also expose its protocol phases (`PhasedDispatcher`, REFERENCE §3):
-local preprocess -> one row all-to-all (`RowExchange`) -> local postprocess, for dispatch
-and for combine. A pipeline schedule then runs each all-to-all as its own asynchronous
-piece, overlapped with another micro-batch's compute (moetron/pipeline/overlap.py).
+Design notes: docs/dispatch.md (`moetron/dispatch/base.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -134,3 +121,63 @@ class LocalDispatcher:
     def combine(self, y_NH: torch.Tensor, handle: tuple[PermuteState, torch.Tensor]) -> torch.Tensor:
         state, weights = handle
         return unpermute(y_NH, state, weights)
+
+
+# ---- events: completion of an issued communication ----------------------------------------
+
+
+class Event:
+    """Completion of an issued communication, DeepEP `EventOverlap`-style.
+
+    With `async_finish=True` a dispatch/combine returns as soon as its transfers are issued; the
+    returned tensors are allocated but NOT yet valid. Call `wait()` (or its alias
+    `current_stream_wait()`) right before reading them: it waits for the transfers (on GPU: makes
+    the current stream wait, without blocking the host) and then runs the local post-processing
+    that fills the outputs (unpacking, summing per token, FP8 dequantization). Reading an output
+    before that gives garbage; passing an unwaited dispatch handle to combine raises. `with
+    event:` waits on exit. An event from a synchronous call is already complete.
+    """
+
+    def __init__(self, works: Sequence[Any] = (), finishers: Sequence[Callable[[], None]] = (),
+                 native: Any = None):
+        self._works = [w for w in works if w is not None]
+        self._finishers = list(finishers)
+        self._native = native  # a backend's own event (deep_ep EventOverlap)
+        self._done = not self._works and not self._finishers and native is None
+
+    @property
+    def done(self) -> bool:
+        """True once the outputs may be read (after `wait()`, or for synchronous calls)."""
+        return self._done
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run `fn` once the transfers have arrived (now, if they already have)."""
+        if self._done:
+            with torch.no_grad():
+                fn()
+        else:
+            self._finishers.append(fn)
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._native is not None and getattr(self._native, "event", None) is not None:
+            self._native.current_stream_wait()
+        for work in self._works:
+            work.wait()
+        with torch.no_grad():  # finishers fill outputs in place; they are not autograd ops
+            for fn in self._finishers:
+                fn()
+        self._works, self._finishers, self._done = [], [], True
+
+    current_stream_wait = wait
+
+    def __enter__(self) -> Event:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wait()
+
+
+def completed() -> Event:
+    return Event()

@@ -1,28 +1,15 @@
-"""FlexDispatcher: DeepEP's dispatch/combine API over one group (TP×EP as one), with backends.
+"""FlexBuffer: DeepEP's dispatch/combine API over one group (TP×EP as one), with backends.
 
-    flex = FlexDispatcher(group, num_experts, backend="torch")     # or "deepep", "nvshmem"
-    num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, _ = \\
+    flex = FlexBuffer(group, num_experts, backend="torch")     # or "deepep", "nvshmem"
+    num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, _ = \
         flex.get_dispatch_layout(topk_idx, num_experts)
-    recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event = \\
+    recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event = \
         flex.dispatch(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                       num_tokens_per_expert)
     ...  # experts: rows of recv_x, gate weights recv_topk_weights for local ids recv_topk_idx
     combined_x, combined_topk_weights, event = flex.combine(expert_out, handle)
 
-Rank r of the group owns experts `r*L ... r*L+L-1` (L = num_experts / group size). Dispatch
-delivers one row per (token, destination rank) — not per (token, expert) — grouped by source
-rank in token order; `recv_topk_idx` holds local expert ids, -1 where the expert lives on
-another rank (its weight is then 0). Combine sends rows back and sums them per source token,
-unweighted. Passing a dispatch's `handle` to `dispatch` reuses its layout (no count exchange).
-
-Autograd: backward of dispatch is a combine (the gate weights' gradient too), backward of
-combine a cached dispatch. `async_finish=True` issues the transfers and returns at once: the
-results are valid only after `event.wait()` (see flex_backends.Event). FP8 dispatch
-(`fp8=True`): rows travel as E4M3 with 1×128 scales and arrive dequantized to the activation
-dtype (gradients flow straight through and go back in the activation dtype); a DeepEP-style
-`(q, scales)` tuple may also be passed as x (no autograd) and arrives as a tuple.
-
-`FlexTokenDispatcher` adapts this to moetron's TokenDispatcher protocol (expert-major rows).
+Design notes: docs/dispatch.md (`moetron/dispatch/flex.py`).
 """
 
 from __future__ import annotations
@@ -32,12 +19,29 @@ from typing import Any
 
 import torch
 
-from moetron.dispatch.flex_backends import Event, completed, make_backend
+from moetron.dispatch.base import Event, completed
+from moetron.dispatch.flex_backends import TorchBackend, resolve_group
+from moetron.dispatch.flex_deepep import DeepEPBackend
+from moetron.dispatch.flex_nvshmem import NvshmemBackend
 from moetron.dispatch.fp8_dispatch import FP8_DTYPE, dequantize_rows, quantize_rows
 from moetron.dispatch.permute import PermuteState, permute, unpermute
 from moetron.dispatch.routing import Routing
 
-__all__ = ["FlexDispatcher", "FlexHandle", "FlexTokenDispatcher", "Event"]
+__all__ = ["FlexBuffer", "FlexHandle", "FlexTokenDispatcher", "Event"]
+
+
+# ---- selection -------------------------------------------------------------------------------
+
+BACKENDS = {"torch": TorchBackend, "deepep": DeepEPBackend, "nvshmem": NvshmemBackend}
+
+
+def make_backend(name: str, group, num_experts: int, **options):
+    """Build the named backend; an unavailable one raises a RuntimeError saying what is missing."""
+    try:
+        cls = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown flex dispatcher backend {name!r}; choose one of {sorted(BACKENDS)}") from None
+    return cls(group, num_experts, **options)
 
 
 @dataclass
@@ -125,8 +129,9 @@ class _Combine(torch.autograd.Function):
         return (grads[0] if want_x else None), (grads[1] if want_w else None), None, None, None, None
 
 
-class FlexDispatcher:
-    """DeepEP-style dispatch/combine over `group` (a moetron Group or ProcessGroup).
+class FlexBuffer:
+    """DeepEP's `Buffer` API (layout, dispatch, combine, low latency) over `group` (a moetron Group or
+    ProcessGroup) and any backend; `FlexTokenDispatcher` below is the MoE dispatcher built on it.
 
     backend: "torch" (uneven all-to-all; gloo/NCCL; always available), "deepep" (deep_ep.Buffer,
     CUDA), "nvshmem" (torch symmetric-memory all_to_all_vdev, CUDA). A named backend that cannot
@@ -142,8 +147,6 @@ class FlexDispatcher:
 
     def __init__(self, group, num_experts: int, backend: str = "torch", *, fp8: bool = False,
                  fp8_power_of_two: bool = False, **backend_options):
-        from moetron.dispatch.flex_backends import resolve_group
-
         _, size, rank = resolve_group(group)
         if num_experts % size:
             raise ValueError(f"the dispatch group has {size} ranks, which does not divide "
@@ -288,7 +291,7 @@ def _align(counts: list[int] | None, alignment: int) -> list[int] | None:
     return [-(-c // alignment) * alignment for c in counts]
 
 
-# ---- the TokenDispatcher protocol on top of FlexDispatcher ------------------------------------
+# ---- the TokenDispatcher protocol on top of FlexBuffer ------------------------------------
 
 
 @dataclass
@@ -311,7 +314,7 @@ class PendingDispatch:
 
 
 class FlexTokenDispatcher:
-    """moetron's TokenDispatcher (`dispatch(x, routing)`, `combine(y, handle)`) on FlexDispatcher.
+    """moetron's TokenDispatcher (`dispatch(x, routing)`, `combine(y, handle)`) on FlexBuffer.
 
     `group` is TP×EP as one group whose rank is `etp_rank + etp * ep_rank` (ETP fastest, as
     ParallelState's `tp_ep`). EP rank e holds experts `e*L ... e*L+L-1` (L = num_experts / ep);
@@ -326,8 +329,6 @@ class FlexTokenDispatcher:
     def __init__(self, group, num_experts: int, *, etp: int = 1, backend: str = "torch",
                  pad_multiple: int = 1, pad_to_capacity: bool = False, fp8: bool = False,
                  fp8_power_of_two: bool = False, **backend_options):
-        from moetron.dispatch.flex_backends import resolve_group
-
         _, size, rank = resolve_group(group)
         if etp < 1 or size % etp:
             raise ValueError(f"etp={etp} does not divide the dispatch group size {size}")
@@ -338,7 +339,7 @@ class FlexTokenDispatcher:
         self.num_local_experts = num_experts // ep
         self.pad_multiple, self.pad_to_capacity, self.group_size = pad_multiple, pad_to_capacity, size
         # One flex "expert" per (expert, ETP rank): group rank g owns ids g*L ... g*L+L-1.
-        self.flex = FlexDispatcher(group, num_experts * etp, backend, fp8=fp8,
+        self.flex = FlexBuffer(group, num_experts * etp, backend, fp8=fp8,
                                    fp8_power_of_two=fp8_power_of_two, **backend_options)
 
     def _flex_routing(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,26 +1,6 @@
 """Low-latency dispatch and combine on torch collectives: fixed shapes, no host synchronisation.
 
-The shape DeepEP's low-latency kernels have (REFERENCE §2), built from one equal-split
-all-to-all per tensor, so it runs on gloo and NCCL and can be captured in a CUDA graph:
-
-    dispatch: every rank holds at most M = num_max_dispatch_tokens_per_rank tokens. Token t
-              bound for rank r is written to slot (r, t) of a send buffer [R, M, H] (slots never
-              collide, so no counting is needed before sending), beside a mask [R, L, M] of the
-              local experts of r it wants. One all-to-all moves block r to rank r. The receiver
-              packs each local expert's rows to the front (source rank, then token order) of
-              recv_x [L, R*M, H] (remaining rows are zero) and counts them in recv_count [L],
-              which stays on the device.
-    combine:  the inverse move of the expert outputs [L, R*M, H], then on the source rank a
-              weighted sum over each token's top-k experts (accumulated in fp32).
-
-With `use_fp8` the rows travel as E4M3 bytes with one fp32 scale per 1×128 block (as
-`fp8_dispatch` makes them) and recv_x is the pair `(q [L, R*M, H] float8_e4m3fn, scales
-[L, R*M, ceil(H/128)] fp32)`; `fp8_dispatch.dequantize_rows` turns it back into activations.
-(DeepEP stores those scales column-major for TMA; here they are plain row-major.)
-
-`async_finish` returns an Event and `return_recv_hook` a hook; either way the outputs become
-valid only after `event.wait()` / `hook()`, which also does the receive-side packing. No
-autograd: this is the inference / CUDA-graph path (as in DeepEP); use `dispatch` for training.
+Design notes: docs/dispatch.md (`moetron/dispatch/low_latency.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moetron.dispatch.flex_backends import Event
+from moetron.dispatch.base import Event
 from moetron.dispatch.fp8_dispatch import as_wire, dequantize_rows, quantize_rows
 
 __all__ = ["LowLatencyHandle", "low_latency_dispatch", "low_latency_combine", "dequantize_rows"]
@@ -48,7 +28,7 @@ class LowLatencyHandle:
 def _check_no_grad(*tensors) -> None:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise RuntimeError("the low-latency mode has no backward: call it under torch.no_grad() "
-                           "(inference / CUDA graphs) or use FlexDispatcher.dispatch/combine to train")
+                           "(inference / CUDA graphs) or use FlexBuffer.dispatch/combine to train")
 
 
 def _finish(works, finisher, async_finish: bool, return_recv_hook: bool):

@@ -1,115 +1,232 @@
-"""Permute tokens into expert-major order and back (the torch reference implementation).
+"""Permute / unpermute (`permute`, `unpermute`): implementation selection and the fused autograd
+functions over the references of permute_reference.py.
 
-`permute` gathers one row per kept (token, expert) slot, grouped by expert, so the
-experts can run as one grouped GEMM; `unpermute` scatter-adds the expert outputs
-back to their tokens, weighted by the gate. Rows of one expert keep token order,
-which makes the result deterministic.
-
-Both take `impl` ("auto", "torch", "cpp", "triton"; default: `set_permute_impl`, which starts
-with triton for CUDA tensors and torch elsewhere) and `deterministic`. The fused implementations and their selection live in
-`moetron.dispatch.permute_kernels`; this file holds the reference they must equal:
-
-* `deterministic=False` with impl "torch" is the original reference: plain torch ops, autograd
-  by torch, `unpermute` multiplies in the activation dtype and `index_add`s in row order.
-* The deterministic reference (`gather_rows_reference`, `reduce_slots_reference`,
-  `unpermute_backward_reference`) fixes every rounding: a token's sum over its k slots runs in
-  slot order in fp32 (fp64 for fp64) and is rounded once; the gate-weight gradient is a dot
-  product in `DOT_LANES` interleaved lanes folded pairwise. The C++ and Triton kernels follow
-  it bit for bit, so they are deterministic whatever `deterministic` says.
+Design notes: docs/dispatch.md (`moetron/dispatch/permute.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+import os
+import sys
+import warnings
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
-DOT_LANES = 256  # lanes of the gate-weight gradient's dot product (the C++ and Triton kernels use it too)
+from moetron.dispatch import permute_reference as ref
+from moetron.dispatch.permute_reference import (PermuteState, check_permute_args, permute_reference, routing_plan,
+                                                unpermute_reference)
+from moetron.kernels import cpp_build
 
+IMPLS = ("auto", "torch", "cpp", "triton")
 
-@dataclass
-class PermuteState:
-    """What unpermute needs to route rows back: filled by permute, consumed by unpermute."""
-
-    token_idx: torch.Tensor  # [N] source token of each kept row, expert-major
-    slot_idx: torch.Tensor  # [N] flat index into topk [T*k] of each kept row
-    num_tokens: int
-    rows_per_expert: torch.Tensor  # [E] rows each expert receives (padding included)
-    padded_pos: torch.Tensor | None = None  # [N] row of each kept slot in the padded buffer
-    topk: int | None = None  # k
-    row_of_slot: torch.Tensor | None = None  # [T*k] row of each slot in the output, -1 if dropped
-    slot_of_row: torch.Tensor | None = None  # [R] slot of each output row, -1 for padding
-    impl: str = "torch"  # the implementation permute used; unpermute uses it unless told otherwise
-    deterministic: bool = False
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of the permuted buffer, padding included."""
-        if self.slot_of_row is not None:
-            return self.slot_of_row.numel()
-        return self.token_idx.numel() if self.padded_pos is None else int(self.rows_per_expert.sum())
+# None: by device - the Triton kernel for CUDA tensors (when Triton is installed), the torch
+# reference elsewhere (the C++ CPU kernel is opt-in: it compiles on first use).
+_default_impl: str | None = os.environ.get("MOETRON_PERMUTE_IMPL") or None
+_default_deterministic = os.environ.get("MOETRON_PERMUTE_DETERMINISTIC", "0") == "1"
+_fallback_noticed = False
 
 
-def _sort_slots(topk_idx: torch.Tensor, num_experts: int, has_drops: bool):
-    flat = topk_idx.reshape(-1)
-    key = flat.masked_fill(flat < 0, num_experts) if has_drops else flat
-    order = torch.argsort(key, stable=True)
-    if has_drops:
-        order = order[: int((flat >= 0).sum())]  # dropped slots sort last
-    return order
+def set_permute_impl(impl: str | None = "auto", *, deterministic: bool | None = None) -> None:
+    """Process-wide default for `permute`/`unpermute` calls that pass no `impl`.
 
-
-def check_permute_args(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int,
-                       pad_multiple: int, pad_to: int | None) -> None:
-    if x_TH.dim() != 2:
-        raise ValueError(f"permute: x must be [tokens, hidden], got shape {tuple(x_TH.shape)}")
-    if topk_idx_TK.dim() != 2 or topk_idx_TK.shape[0] != x_TH.shape[0]:
-        raise ValueError(f"permute: topk_idx must be [tokens={x_TH.shape[0]}, k], got {tuple(topk_idx_TK.shape)}")
-    if topk_idx_TK.dtype.is_floating_point or topk_idx_TK.dtype.is_complex or topk_idx_TK.dtype == torch.bool:
-        raise ValueError(f"permute: topk_idx must be an integer tensor (int64), got {topk_idx_TK.dtype}")
-    if num_experts < 0 or pad_multiple < 1 or (pad_to is not None and pad_to < 0):
-        raise ValueError(f"permute: need num_experts >= 0, pad_multiple >= 1, pad_to >= 0 or None; got "
-                         f"num_experts={num_experts}, pad_multiple={pad_multiple}, pad_to={pad_to}")
-
-
-def routing_plan(topk_idx_TK: torch.Tensor, num_experts: int, pad_multiple: int = 1,
-                 pad_to: int | None = None, dropless: bool | None = None) -> PermuteState:
-    """Where every slot goes (torch ops, any device).
-
-    `dropless=True` promises no -1 in `topk_idx_TK` (routing without capacity): then, without
-    padding to a multiple, nothing here waits for the device. `None` checks (one host sync).
+    It starts at None: triton for CUDA tensors when Triton is installed, torch otherwise.
     """
-    T, K = topk_idx_TK.shape
-    if dropless is None:
-        has_drops = bool((topk_idx_TK < 0).any()) if topk_idx_TK.numel() else False
-    else:
-        has_drops = not dropless
-    order = _sort_slots(topk_idx_TK, num_experts, has_drops)
-    token_idx = torch.div(order, K, rounding_mode="floor")
-    # scatter_add, not bincount: bincount reads its input's maximum on the host
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=order.device).scatter_add_(
-        0, topk_idx_TK.reshape(-1)[order], torch.ones_like(order))
-    kept = torch.arange(order.numel(), device=order.device)
-    if pad_multiple == 1 and pad_to is None:
-        state = PermuteState(token_idx, order, T, counts, topk=K)
-        rows, num_rows = kept, order.numel()
-    else:
-        if pad_to is not None:
-            if bool((counts > pad_to).any()):
-                raise ValueError(f"pad_to={pad_to} is smaller than the largest expert load {int(counts.max())}")
-            padded_counts = torch.full_like(counts, pad_to)
-        else:
-            padded_counts = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
-        starts = torch.cumsum(counts, 0) - counts
-        padded_starts = torch.cumsum(padded_counts, 0) - padded_counts
-        expert_of_row = topk_idx_TK.reshape(-1)[order]
-        padded_pos = padded_starts[expert_of_row] + kept - starts[expert_of_row]
-        state = PermuteState(token_idx, order, T, padded_counts, padded_pos, topk=K)
-        rows, num_rows = padded_pos, int(padded_counts.sum())
-    state.row_of_slot = torch.full((T * K,), -1, dtype=torch.int64, device=order.device).index_copy_(0, order, rows)
-    state.slot_of_row = torch.full((num_rows,), -1, dtype=torch.int64, device=order.device).index_copy_(0, rows, order)
-    return state
+    global _default_impl, _default_deterministic
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"permute impl {impl!r} is unknown; choose one of {IMPLS}")
+    _default_impl = impl
+    if deterministic is not None:
+        _default_deterministic = bool(deterministic)
+
+
+def permute_impl() -> tuple[str, bool]:
+    """The process-wide default `(impl, deterministic)`; impl "default" is the by-device choice."""
+    return _default_impl or "default", _default_deterministic
+
+
+# ---- availability ----
+
+def _triton_installed() -> bool:
+    return "triton" in sys.modules or importlib.util.find_spec("triton") is not None
+
+
+def _triton_status(device: torch.device) -> tuple[bool, str]:
+    if not _triton_installed():
+        return False, "python package 'triton' is not installed (pip install triton)"
+    if device.type == "cuda":
+        return True, "Triton GPU kernel"
+    if device.type == "cpu":
+        module = sys.modules.get("moetron.kernels.triton_permute")  # interpret or not was fixed at its import
+        if module.INTERPRET if module is not None else os.environ.get("TRITON_INTERPRET") == "1":
+            return True, "Triton kernel under the interpreter (TRITON_INTERPRET=1)"
+        return False, ("Triton runs CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before "
+                       "moetron.kernels.triton_permute is imported")
+    return False, f"Triton does not run {device.type} tensors"
+
+
+def _cpp_status(device: torch.device, build: bool) -> tuple[bool, str]:
+    if device.type != "cpu":
+        return False, f"the C++ kernel runs CPU tensors only, got a {device.type} tensor"
+
+
+    return cpp_build.cpp_status(build=build)
+
+
+def impl_status(device: torch.device | str = "cpu", build: bool = False) -> list[tuple[str, bool, str]]:
+    """`(impl, available, reason)` for tensors on `device`; `build=True` compiles the C++ kernel to know."""
+    device = torch.device(device)
+    return [("torch", True, "torch reference, any device"),
+            ("cpp", *_cpp_status(device, build)),
+            ("triton", *_triton_status(device))]
+
+
+def resolve(impl: str | None, deterministic: bool | None, device: torch.device) -> tuple[str, bool]:
+    """The concrete implementation for tensors on `device`: never "auto", never an unavailable one."""
+    global _fallback_noticed
+    impl = _default_impl if impl is None else impl
+    deterministic = _default_deterministic if deterministic is None else bool(deterministic)
+    if impl is None:  # the by-device default
+        impl = "triton" if device.type == "cuda" and _triton_status(device)[0] else "torch"
+    if impl not in IMPLS:
+        raise ValueError(f"permute impl {impl!r} is unknown; choose one of {IMPLS}")
+    if impl == "torch":
+        return impl, deterministic
+    if impl == "auto":
+        if device.type == "cuda" and _triton_status(device)[0]:
+            return "triton", deterministic
+        if device.type == "cpu":
+            ok, reason = _cpp_status(device, build=True)
+            if ok:
+                return "cpp", deterministic
+            if not _fallback_noticed:
+                _fallback_noticed = True
+                warnings.warn(f"moetron: fused C++ permute unavailable ({reason}); using the torch reference",
+                              RuntimeWarning, stacklevel=3)
+        return "torch", deterministic
+    ok, reason = _cpp_status(device, build=True) if impl == "cpp" else _triton_status(device)
+    if not ok:
+        raise RuntimeError(f"permute impl {impl!r} was requested but is unavailable: {reason}")
+    return impl, deterministic
+
+
+# ---- kernel sets ----
+
+class TorchKernels:
+    """The deterministic reference, as a kernel set."""
+
+    name = "torch"
+    routing_plan = staticmethod(ref.routing_plan)
+    gather_rows = staticmethod(ref.gather_rows_reference)
+    reduce_slots = staticmethod(ref.reduce_slots_reference)
+    unpermute_backward = staticmethod(ref.unpermute_backward_reference)
+
+
+class CppKernels:
+    name = "cpp"
+
+    def __init__(self):
+
+
+        self.ops = cpp_build.load_permute_ops()
+
+    def routing_plan(self, topk_idx_TK, num_experts, pad_multiple=1, pad_to=None) -> PermuteState:
+        T, K = topk_idx_TK.shape
+        token_idx, slot_idx, rows, padded_pos, row_of_slot, slot_of_row = self.ops.routing_plan(
+            topk_idx_TK, num_experts, pad_multiple, -1 if pad_to is None else pad_to)
+        padded = pad_multiple != 1 or pad_to is not None
+        return PermuteState(token_idx, slot_idx, T, rows, padded_pos if padded else None, topk=K,
+                            row_of_slot=row_of_slot, slot_of_row=slot_of_row)
+
+    def gather_rows(self, x_TH, slot_of_row, topk):
+        return self.ops.gather_rows(x_TH, slot_of_row, topk)
+
+    def reduce_slots(self, y_RH, row_of_slot, weights_TK, num_tokens, topk):
+        return self.ops.reduce_slots(y_RH, row_of_slot, weights_TK, num_tokens, topk)
+
+    def unpermute_backward(self, grad_TH, y_RH, slot_of_row, weights_TK, topk, need_grad_y, need_grad_w):
+        grad_y, grad_w = self.ops.unpermute_backward(grad_TH, y_RH, slot_of_row, weights_TK, topk,
+                                                     need_grad_y, need_grad_w)
+        return grad_y if need_grad_y else None, grad_w if need_grad_w else None
+
+
+class TritonKernels:
+    name = "triton"
+    routing_plan = staticmethod(ref.routing_plan)  # torch ops on the device: sort, counts, scatter
+
+    def __init__(self):
+        from moetron.kernels import triton_permute
+
+        self.gather_rows = triton_permute.gather_rows
+        self.reduce_slots = triton_permute.reduce_slots
+        self.unpermute_backward = triton_permute.unpermute_backward
+
+
+_kernel_sets: dict[str, object] = {}
+_factories: dict[str, Callable[[], object]] = {"torch": TorchKernels, "cpp": CppKernels, "triton": TritonKernels}
+
+
+def kernels_for(impl: str):
+    """The kernel set of a concrete implementation (resolve "auto" first)."""
+    if impl not in _kernel_sets:
+        _kernel_sets[impl] = _factories[impl]()
+    return _kernel_sets[impl]
+
+
+# ---- autograd ----
+
+class _FusedPermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, state: PermuteState, kernels):
+        ctx.state, ctx.kernels = state, kernels
+        return kernels.gather_rows(x_TH.contiguous(), state.slot_of_row, state.topk)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_RH):
+        s = ctx.state
+        grad_x = ctx.kernels.reduce_slots(grad_RH.contiguous(), s.row_of_slot, None, s.num_tokens, s.topk)
+        return grad_x, None, None
+
+
+class _FusedUnpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_RH, weights_TK, state: PermuteState, kernels):
+        ctx.state, ctx.kernels = state, kernels
+        y_RH = y_RH.contiguous()
+        if weights_TK is not None:
+            weights_TK = weights_TK.contiguous()
+        ctx.save_for_backward(y_RH if weights_TK is not None and ctx.needs_input_grad[1] else None, weights_TK)
+        return kernels.reduce_slots(y_RH, state.row_of_slot, weights_TK, state.num_tokens, state.topk)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_TH):
+        y_RH, weights_TK = ctx.saved_tensors
+        s, kernels = ctx.state, ctx.kernels
+        need_y, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_TH = grad_TH.contiguous()
+        if weights_TK is None:
+            return (kernels.gather_rows(grad_TH, s.slot_of_row, s.topk) if need_y else None), None, None, None
+        grad_y, grad_w = kernels.unpermute_backward(grad_TH, y_RH, s.slot_of_row, weights_TK, s.topk,
+                                                    need_y, need_w)
+        return grad_y, grad_w, None, None
+
+
+def fused_permute(x_TH: torch.Tensor, state: PermuteState, impl: str) -> torch.Tensor:
+    return _FusedPermute.apply(x_TH, state, kernels_for(impl))
+
+
+def fused_unpermute(y_RH: torch.Tensor, state: PermuteState, weights_TK: torch.Tensor | None,
+                    impl: str) -> torch.Tensor:
+    if weights_TK is not None:
+        weights_TK = weights_TK.reshape(state.num_tokens, state.topk)
+    return _FusedUnpermute.apply(y_RH, weights_TK, state, kernels_for(impl))
+
+
+# ---- the public entry points ----------------------------------------------------------------
 
 
 def permute(
@@ -132,29 +249,19 @@ def permute(
     `impl` picks the implementation (see `permute_kernels`); `deterministic` makes the
     backward (a sum over each token's k slots) run in a fixed order.
     """
-    from moetron.dispatch import permute_kernels
-
     check_permute_args(x_TH, topk_idx_TK, num_experts, pad_multiple, pad_to)
     topk_idx_TK = topk_idx_TK.long()
-    impl, deterministic = permute_kernels.resolve(impl, deterministic, x_TH.device)
+    impl, deterministic = resolve(impl, deterministic, x_TH.device)
     if impl == "torch":
         state = routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to, dropless)
     elif impl == "triton":
         state = routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to, dropless)  # torch ops on the GPU
     else:
-        state = permute_kernels.kernels_for(impl).routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to)
+        state = kernels_for(impl).routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to)
     state.impl, state.deterministic = impl, deterministic
     if impl == "torch" and not deterministic:
-        return _permute_reference(x_TH, state), state
-    return permute_kernels.fused_permute(x_TH, state, impl), state
-
-
-def _permute_reference(x_TH: torch.Tensor, state: PermuteState) -> torch.Tensor:
-    x_NH = x_TH.index_select(0, state.token_idx)
-    if state.padded_pos is None:
-        return x_NH
-    padded = x_NH.new_zeros(state.num_rows, x_NH.shape[-1])
-    return padded.index_copy(0, state.padded_pos, x_NH)
+        return permute_reference(x_TH, state), state
+    return fused_permute(x_TH, state, impl), state
 
 
 def unpermute(
@@ -169,8 +276,6 @@ def unpermute(
 
     `impl` and `deterministic` default to what `permute` used (kept in `state`).
     """
-    from moetron.dispatch import permute_kernels
-
     if y_NH.dim() != 2 or y_NH.shape[0] != state.num_rows:
         raise ValueError(f"unpermute: y must be [rows={state.num_rows}, hidden], got {tuple(y_NH.shape)}")
     if topk_weights_TK is not None and state.topk is not None and (
@@ -179,93 +284,10 @@ def unpermute(
                          f"got {tuple(topk_weights_TK.shape)}")
     impl = state.impl if impl is None else impl
     deterministic = state.deterministic if deterministic is None else deterministic
-    impl, deterministic = permute_kernels.resolve(impl, deterministic, y_NH.device)
+    impl, deterministic = resolve(impl, deterministic, y_NH.device)
     if impl == "torch" and not deterministic:
-        return _unpermute_reference(y_NH, state, topk_weights_TK)
+        return unpermute_reference(y_NH, state, topk_weights_TK)
     if state.row_of_slot is None or state.slot_of_row is None or state.topk is None:
         raise ValueError(f"unpermute: impl={impl!r} (deterministic={deterministic}) needs the slot maps that "
                          "permute() and routing_plan() fill in PermuteState; this state has none")
-    return permute_kernels.fused_unpermute(y_NH, state, topk_weights_TK, impl)
-
-
-def _unpermute_reference(y_NH, state, topk_weights_TK):
-    if state.padded_pos is not None:
-        y_NH = y_NH.index_select(0, state.padded_pos)
-    if topk_weights_TK is not None:
-        w_N = topk_weights_TK.reshape(-1).index_select(0, state.slot_idx)
-        y_NH = y_NH * w_N.to(y_NH.dtype).unsqueeze(-1)
-    out = y_NH.new_zeros(state.num_tokens, y_NH.shape[-1])
-    return out.index_add(0, state.token_idx, y_NH)
-
-
-# ---- the deterministic reference: the numerics every fused kernel reproduces bit for bit ----
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation type of the fused kernels: fp64 for fp64, fp32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def gather_rows_reference(x_TH: torch.Tensor, slot_of_row: torch.Tensor, topk: int) -> torch.Tensor:
-    """`out[r] = x[slot_of_row[r] // k]`, zeros where `slot_of_row[r] < 0` (permute forward)."""
-    R, H = slot_of_row.numel(), x_TH.shape[1]
-    if x_TH.shape[0] == 0:
-        return x_TH.new_zeros(R, H)
-    valid = slot_of_row >= 0
-    rows = x_TH.index_select(0, torch.where(valid, slot_of_row, 0) // max(topk, 1))
-    return torch.where(valid.unsqueeze(-1), rows, torch.zeros((), dtype=x_TH.dtype, device=x_TH.device))
-
-
-def reduce_slots_reference(y_RH: torch.Tensor, row_of_slot: torch.Tensor, weights_TK: torch.Tensor | None,
-                           num_tokens: int, topk: int) -> torch.Tensor:
-    """`out[t] = sum_k w[t,k] * y[row_of_slot[t,k]]`, k in order, in the accumulation type, from +0."""
-    acc_t = acc_dtype(y_RH.dtype)
-    R, H = y_RH.shape
-    y_acc = torch.cat([y_RH.to(acc_t), y_RH.new_zeros(1, H, dtype=acc_t)])  # row R: zeros for dropped slots
-    rows_TK = row_of_slot.view(num_tokens, topk)
-    acc = y_RH.new_zeros(num_tokens, H, dtype=acc_t)
-    for k in range(topk):
-        valid = rows_TK[:, k] >= 0
-        term = y_acc.index_select(0, torch.where(valid, rows_TK[:, k], R))
-        if weights_TK is not None:
-            w = torch.where(valid, weights_TK.reshape(num_tokens, topk)[:, k].to(acc_t), 0)
-            term = term * w.unsqueeze(-1)
-        acc = acc + term
-    return acc.to(y_RH.dtype)
-
-
-def unpermute_backward_reference(grad_TH: torch.Tensor, y_RH: torch.Tensor | None, slot_of_row: torch.Tensor,
-                                 weights_TK: torch.Tensor, topk: int, need_grad_y: bool, need_grad_w: bool):
-    """`(grad_y, grad_w)` of the weighted unpermute; either is None when not needed.
-
-    `grad_y[r] = g[t] * w[s]` rounded once; `grad_w[s] = dot(g[t], y[r])` accumulated in
-    `DOT_LANES` lanes (element h in lane h % DOT_LANES, chunks in order) folded pairwise.
-    """
-    acc_t = acc_dtype(grad_TH.dtype)
-    T, H = grad_TH.shape
-    R = slot_of_row.numel()
-    valid = slot_of_row >= 0
-    slot = torch.where(valid, slot_of_row, 0)
-    if T == 0:
-        g_rows = grad_TH.new_zeros(R, H, dtype=acc_t)
-    else:
-        g_rows = grad_TH.to(acc_t).index_select(0, slot // max(topk, 1))
-        g_rows = torch.where(valid.unsqueeze(-1), g_rows, 0)
-    grad_y = grad_w = None
-    if need_grad_y:
-        w_flat = weights_TK.reshape(-1).to(acc_t)
-        w_rows = w_flat.index_select(0, slot) if w_flat.numel() else g_rows.new_zeros(R)
-        grad_y = (g_rows * torch.where(valid, w_rows, 0).unsqueeze(-1)).to(grad_TH.dtype)
-    if need_grad_w:
-        prod = g_rows * y_RH.to(acc_t)
-        prod = F.pad(prod, (0, -H % DOT_LANES))
-        lanes = prod.new_zeros(R, DOT_LANES)
-        for c in range(prod.shape[1] // DOT_LANES):
-            lanes = lanes + prod[:, c * DOT_LANES:(c + 1) * DOT_LANES]
-        width = DOT_LANES
-        while width > 1:
-            width //= 2
-            lanes = lanes[:, :width] + lanes[:, width:2 * width]
-        grad_w = weights_TK.new_zeros(weights_TK.numel(), dtype=acc_t)
-        grad_w = grad_w.index_copy(0, slot_of_row[valid], lanes[valid, 0])
-        grad_w = grad_w.to(weights_TK.dtype).view(weights_TK.shape)
-    return grad_y, grad_w
+    return fused_unpermute(y_NH, state, topk_weights_TK, impl)

@@ -1,4 +1,11 @@
-"""Routing: the one representation of a routing decision, from router to combine."""
+"""Routing: the one representation of a routing decision, from router to combine.
+
+Shape suffixes, used in tensor names across moetron's hot code (written once, here):
+    T tokens    H hidden size    K top-k (slots per token)    E experts (global; local where noted)
+    N routed rows (one per kept (token, expert) slot, grouped by expert; padded where asked)
+    F expert ffn size    S sequence    B batch    R ranks / received rows    G groups
+e.g. `x_TH [T,H]`, `topk_idx_TK [T,K]`, `x_NH [N,H]`, `w1_EFH [E,F,H]`.
+"""
 
 from __future__ import annotations
 

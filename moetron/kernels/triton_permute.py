@@ -1,7 +1,7 @@
 """Triton kernels of the fused permute / unpermute (impl "triton").
 
 Same contract and same bits as the deterministic torch reference in
-`moetron.dispatch.permute` (see `moetron.dispatch.permute_kernels`):
+`moetron.dispatch.permute_reference` (selected in `moetron.dispatch.permute`):
 
 * `gather_rows`    one program per output row: copy a token's row, or zeros for padding.
 * `reduce_slots`   one program per token: sum its k rows in slot order, in fp32 (fp64 for fp64),
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moetron.dispatch.permute import DOT_LANES, acc_dtype
+from moetron.kernels.numerics import DOT_LANES, acc_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once: triton.jit decides at decoration
 _MAX_BLOCK_H = 1024

@@ -6,22 +6,7 @@
     meter.layer_bytes        # {"layers.0": 229152, ..., "mtp.0.layer": ...} bytes per decoder layer
     meter.total_bytes        # everything the forward saved, each storage once
 
-    predict = layer_activation_bytes(cfg, layer_idx, batch=2, seq=16, rows=64)   # the formula
-    predict.total, predict.terms                                                # bytes, by term
-
-Measuring. `ActivationMeter` is an outermost saved-tensor hook: every tensor autograd saves for
-backward in the forward passes through it (and through the hooks of moetron.model.recompute,
-which hand on what they keep: checkpoint inputs, the inputs of output-discarding regions, and
-whatever their consumers save that is not a discarded output). A saved tensor is charged with the
-whole storage it views (a view keeps all of it alive), each storage once per decoder layer (and
-once in `total_bytes`); parameters and buffers are not activations and are left out. The layer a
-tensor is charged to is the decoder layer whose forward (module call) was running when it was
-saved; anything else (embedding, head, loss, MTP glue) is `other_bytes`.
-Not counted, by design: memory a checkpoint keeps outside autograd (the RNG state it stashes,
-about 5 KB per checkpoint on CPU), temporary buffers, and the parameters.
-
-The formula (`layer_activation_bytes`, documented in docs/activation_memory.md) lists every
-tensor a decoder layer saves, per option, for the configurations moetron ships.
+Design notes: docs/activation_memory.md (`moetron/model/activation_memory.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +18,7 @@ import torch
 from torch import nn
 
 from moetron.config import ModelConfig
+from moetron.ops.recompute import RecomputePlan
 
 try:  # chain to an enclosing saved-tensor hook, e.g. activation offloading
     from torch._C._autograd import _top_saved_tensors_default_hooks
@@ -194,8 +180,6 @@ def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: in
     through torch._grouped_mm (which saves its int32 offsets) rather than the per-expert loop.
     docs/activation_memory.md derives every term.
     """
-    from moetron.model.recompute import RecomputePlan
-
     modules = cfg.recompute_modules if modules is None else list(modules)
     every = cfg.recompute_every_n_layers if every_n_layers is None else every_n_layers
     plan = RecomputePlan.for_layer(modules, every, layer_idx)

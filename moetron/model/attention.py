@@ -1,20 +1,6 @@
 """Self-attention of the two families: GQA with q/k norms (Qwen3) and MLA (DeepSeek-V3).
 
-Both take hidden states [B,S,H] and the rotary `(cos, sin)` and return [B,S,H];
-the attention core itself is `core_attention`, one seam for every backend.
-
-Context parallel (moetron/parallel/context_parallel.py): with `cp_group` set (by
-`context_parallelize`), S is this rank's two load-balanced chunks of the sequence and `rope`
-holds their global positions; the keys/values of the whole sequence are gathered over the CP
-group (for MLA the compressed latent and rotary key, decompressed here) and each local chunk
-attends to the prefix of the sequence that ends with it.
-
-Recomputation (moetron/model/recompute.py; `recompute_modules` is set by the decoder layer):
-`core_attn` checkpoints the attention core (under CP: GQA's K/V all-gather is inside it and runs
-again in backward; MLA gathers its latent before, and only the local chunks are checkpointed);
-`mla_up_proj` makes MLA's up-projections (q_b_proj or q_proj, kv_b_proj), the query RoPE and the
-head assembly an output-discarding region whose inputs are the query latent, the kv latent and the
-rotated shared key, so the q, k, v the core saves are recomputed in backward instead of held.
+Design notes: docs/model.md (`moetron/model/attention.py`).
 """
 
 from __future__ import annotations
@@ -23,9 +9,9 @@ import torch
 from torch import nn
 
 from moetron.config import ModelConfig
-from moetron.model import recompute
-from moetron.model.attention_core import core_attention
-from moetron.model.norm import RMSNorm
+from moetron.ops import recompute
+from moetron.ops.attention_core import core_attention
+from moetron.ops.norm import RMSNorm
 from moetron.model.rope import yarn_softmax_scale
 from moetron.ops import apply_rope
 from moetron.parallel import context_parallel

@@ -4,7 +4,7 @@ The attention half and the MLP half are separate calls (`attention_block`,
 `mlp_block`) so pipeline schedules can run them apart; an MoE MLP further exposes
 route / dispatch / experts / combine through `self.mlp`.
 
-Activation recomputation (moetron/model/recompute.py): `self.recompute` is the layer's plan, from
+Activation recomputation (moetron/ops/recompute.py): `self.recompute` is the layer's plan, from
 `ModelConfig.recompute_modules` and `recompute_every_n_layers`. A fully recomputed layer runs as
 one checkpoint (or one per block when a pipeline calls the blocks apart); otherwise each block
 applies the selective options, pushed into the current submodules at every call.
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from moetron.config import ModelConfig
-from moetron.model import recompute
+from moetron.ops import recompute
 from moetron.model.attention import GroupedQueryAttention, MultiLatentAttention
-from moetron.model.mlp import MLP
-from moetron.model.recompute import RecomputableRMSNorm, RecomputePlan
+from moetron.ops.mlp import MLP
+from moetron.ops.recompute import RecomputableRMSNorm, RecomputePlan
 from moetron.moe.layer import MoELayer
 
 

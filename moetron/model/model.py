@@ -15,10 +15,11 @@ from torch import nn
 from moetron.config import ModelConfig
 from moetron.model.layer import DecoderLayer
 from moetron.model.mtp import MTPModule, shift_left
-from moetron.model.norm import RMSNorm
+from moetron.ops.norm import RMSNorm
 from moetron.model.rope import RotaryEmbedding
 from moetron.moe.layer import MoELayer
 from moetron.ops import cross_entropy
+from moetron.moe.layer import _sum_over, load_summary
 
 IGNORE_INDEX = -100
 
@@ -153,8 +154,6 @@ class MoETransformer(nn.Module):
         """
         if not accumulated:
             return {i: l.mlp.stats() for i, l in enumerate(self.layers) if l.is_moe}
-        from moetron.moe.layer import _sum_over, load_summary
-
         layers = self.moe_layers_by_index()
         if not layers:
             return {}

@@ -14,7 +14,7 @@ from torch import nn
 
 from moetron.config import ModelConfig
 from moetron.model.layer import DecoderLayer
-from moetron.model.norm import RMSNorm
+from moetron.ops.norm import RMSNorm
 
 
 class MTPModule(nn.Module):

@@ -36,7 +36,7 @@ def _attention_params(c: ModelConfig) -> int:
     return n + ((kv_a + H) if bias else 0)
 
 
-def _layer_params(c: ModelConfig, layer_idx: int) -> tuple[int, int]:
+def layer_params(c: ModelConfig, layer_idx: int) -> tuple[int, int]:
     """(total, active) parameters of decoder layer `layer_idx`."""
     H = c.hidden_size
     base = _attention_params(c) + 2 * H
@@ -55,7 +55,7 @@ def model_size(c: ModelConfig) -> ModelSize:
     if not c.tie_word_embeddings:
         total, active = total + V * H, active + V * H
     for i in range(c.num_layers + c.num_mtp_layers):
-        t, a = _layer_params(c, i)
+        t, a = layer_params(c, i)
         total, active = total + t, active + a
     mtp_extra = c.num_mtp_layers * (3 * H + 2 * H * H)  # enorm, hnorm, final norm, eh_proj
     return ModelSize(total + mtp_extra, active + mtp_extra, V * H)
@@ -74,23 +74,3 @@ def training_flops_per_token(c: ModelConfig, seq_len: int) -> float:
     layers = c.num_layers + c.num_mtp_layers
     attention_fwd = 2 * c.num_attention_heads * (seq_len / 2) * (qk + v) * layers
     return 6 * matmul_params + 3 * attention_fwd
-
-
-def pipeline_item_costs(c: ModelConfig, seq_len: int):
-    """Training FLOPs per token of each pipeline layout item (embedding, each decoder layer, the
-    loss head, each MTP layer), for `moetron.pipeline.balanced_layout`."""
-    from moetron.pipeline.layout import ItemCosts
-
-    if c.attention_type == "gqa":
-        qk, v = c.head_dim, c.head_dim
-    else:
-        qk, v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-    attention = 3 * 2 * c.num_attention_heads * (seq_len / 2) * (qk + v)
-    head = 6.0 * c.vocab_size * c.hidden_size
-
-    def layer(i: int) -> float:
-        return 6.0 * _layer_params(c, i)[1] + attention
-
-    mtp = tuple(layer(c.num_layers + k) + 6.0 * 2 * c.hidden_size ** 2 + head for k in range(c.num_mtp_layers))
-    return ItemCosts(embedding=6.0 * c.hidden_size, layers=tuple(layer(i) for i in range(c.num_layers)),
-                     loss=head, mtp=mtp)

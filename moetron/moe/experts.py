@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from moetron.dispatch.base import local_expert_range, rank_and_size
-from moetron.model import recompute
+from moetron.ops import recompute
 from moetron.moe.grouped_gemm import grouped_linear
 from moetron.ops import swiglu
 from moetron.parallel import comm
@@ -27,7 +27,7 @@ class GroupedExperts(nn.Module):
     this shard and the full tensors (tests, checkpoints).
 
     `recompute_act` (recompute option `moe_act`, set by the decoder layer) makes the SwiGLU an
-    output-discarding region (moetron/model/recompute.py): its [N,F] output, which the down
+    output-discarding region (moetron/ops/recompute.py): its [N,F] output, which the down
     GEMM saves, and silu(gate) are recomputed in backward from gate_up, which is kept.
     """
 
@@ -49,6 +49,13 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, hidden_size, F))
         nn.init.normal_(self.gate_up_proj, std=init_std)
         nn.init.normal_(self.down_proj, std=init_std)
+        self.mark_expert_parallel()
+
+    def mark_expert_parallel(self) -> None:
+        """Tag the expert weights `expert_parallel=True`: data parallel reduces them over the
+        expert-data group (parallel/data_parallel.py reads the flag, never this class)."""
+        for p in (self.gate_up_proj, self.down_proj):
+            p.expert_parallel = True
 
     def forward(self, x_NH: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
         gate_up = grouped_linear(x_NH, self.gate_up_proj, rows_per_expert, self.backend)

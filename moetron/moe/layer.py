@@ -7,7 +7,7 @@
 The four stages are separate methods (DESIGN principle 5) so a pipeline schedule
 can run them one at a time; `forward` simply chains them.
 
-Recomputation (moetron/model/recompute.py): `recompute_modules` is set by the decoder layer. The
+Recomputation (moetron/ops/recompute.py): `recompute_modules` is set by the decoder layer. The
 whole-layer `moe` checkpoint wraps the layer's call in `DecoderLayer.mlp_block`; when a pipeline
 calls the stages one by one instead, `moe` checkpoints the compute stages (route, experts, shared
 experts) one at a time and never the dispatch/combine communication. A recomputed `route` takes
@@ -27,12 +27,13 @@ from moetron.dispatch.allgather import AllGatherDispatcher
 from moetron.dispatch.alltoall import AllToAllDispatcher
 from moetron.dispatch.base import LocalDispatcher, TokenDispatcher
 from moetron.dispatch.routing import Routing
-from moetron.model import recompute
-from moetron.model.mlp import MLP
+from moetron.ops import recompute
+from moetron.ops.mlp import MLP
 from moetron.moe.config import MoEConfig
 from moetron.moe.experts import GroupedExperts
 from moetron.moe.router import TopKRouter
 from moetron.parallel.state import Group, ParallelState
+from moetron.dispatch.flex import FlexTokenDispatcher
 
 DISPATCHERS = ("local", "allgather", "alltoall", "flex")
 
@@ -103,8 +104,6 @@ class MoELayer(nn.Module):
         if ps is None:
             raise ValueError(f"dispatcher={name!r} needs parallel_state= to know its process groups")
         if name == "flex":
-            from moetron.dispatch.flex import FlexTokenDispatcher
-
             return FlexTokenDispatcher(ps.tp_ep, cfg.num_experts, etp=ps.etp.size, backend=flex_backend,
                                        pad_multiple=pad_multiple, pad_to_capacity=cfg.pad_to_capacity)
         if name == "allgather":

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetron.dispatch.routing import Routing, count_per_expert
-from moetron.model import recompute
+from moetron.ops import recompute
 from moetron.moe import balancing
 from moetron.moe.config import MoEConfig
 from moetron.parallel.state import Group

@@ -8,32 +8,7 @@
         group["lr"] = schedule(step)
     grad_norm = opt.step()          # finish reduce-scatter, clip, AdamW on the shard, all-gather
 
-Sharding follows the buckets of `DataParallel`: every bucket (padded to a multiple of the group
-size) is reduce-scattered, and group rank r owns the r-th equal slice of each bucket. This rank's
-slices of one buffer are concatenated into one contiguous fp32 tensor each for the master
-weights, `exp_avg` and `exp_avg_sq`. Dense buffers are sharded over ps.dp_cp and expert buffers
-over ps.edp, so an expert shard's state never leaves its EDP group. After the update every rank
-writes its slice (cast to the parameter dtype) into the contiguous parameter buffer and
-`DataParallel.start_param_sync()` all-gathers it bucket by bucket (overlapped with the next
-forward when `overlap_param_gather=True`).
-
-The update is torch.optim.AdamW's (decoupled weight decay, bias correction, eps added after the
-square root), run with foreach ops on views of the shard, one parameter piece per view.
-Differences from torch's: a parameter that got no gradient is updated with a zero gradient (the
-buffer has no "None"); the step count is kept per parameter group.
-
-Gradient clipping uses the global norm: every element is owned by exactly one rank of its DP
-group (dense) or EDP group (expert), so the sum of squares of this rank's shards, summed over the
-whole world, counts each element once per model shard (TP/EP/PP shards are distinct). Dense
-parameters replicated over TP count on tp rank 0 only, unless `param.tensor_model_parallel` is
-True. A non-finite norm skips the update (parameters and moments unchanged) and is returned.
-
-`state_dict()` holds only tensors and plain values: per parameter NAME, this rank's piece as
-`offset`/`numel` into the flattened local parameter plus `master`, `exp_avg`, `exp_avg_sq`.
-`load_state_dict` accepts one such dict or a list of them (e.g. every old rank's), and fills this
-rank's pieces from whatever pieces overlap them, so a checkpoint saved at one DP size loads at
-another. (A change of EP or TP size changes the local parameter shapes and needs a re-slicing
-step first; shapes are checked.)
+Design notes: docs/parallel.md (`moetron/optim/distributed.py`).
 """
 
 from __future__ import annotations

@@ -6,18 +6,7 @@
     ... forward / backward (micro-batches with ddp.no_sync()) ...
     grad_norm = opt.step()        # finish the all-reduce, clip by the global norm, AdamW
 
-The plain data-parallel alternative to `DistributedOptimizer` (`parallel.distributed_optimizer=
-false`): more memory (full fp32 moments on every rank) but no parameter all-gather after the
-step. It is torch.optim.AdamW itself, so its state and `state_dict()` are torch's and
-`moetron.train.checkpoint` saves and loads it like the one-process optimizer (its checkpoints
-resume under ZeRO-1 and the other way round). Only `step()` and `zero_grad()` differ, to match
-the interface the trainer uses with `DistributedOptimizer`:
-
-- `step()` returns the global gradient norm before clipping, computed by
-  `DataParallel.clip_grad_norm_` (the same counting rule as the distributed optimizer: each
-  element of every TP/EP/PP shard once, TP-replicated and pipeline-duplicate copies once).
-  A non-finite norm skips the update and is returned.
-- `zero_grad()` zeroes DataParallel's gradient buffers (torch's would only drop `.grad`).
+Design notes: docs/parallel.md (`moetron/optim/replicated.py`).
 """
 
 from __future__ import annotations

@@ -8,47 +8,7 @@
     ddp.finish_grad_sync()                         # p.grad: mean over the DP ranks
     optimizer.step()
 
-With `use_distributed_optimizer=True` the buckets are reduce-scattered instead and the parameters
-live in contiguous buffers too, so `moetron.optim.DistributedOptimizer` (ZeRO-1) can all-gather
-them back after its step.
-
-Buffers. Every parameter that needs a gradient goes to one buffer per (device, param dtype, grad
-dtype, reduction group). The reduction group is `ps.edp` for expert parameters and `ps.dp_cp`
-(= dp without context parallel) for every other one. A parameter is an expert parameter when
-`is_expert_param` says so: it has `param.expert_parallel = True`, or it belongs directly to a
-`GroupedExperts` module (sharded over EP/ETP, replicated over EDP). Inside a buffer parameters are
-laid out in REVERSE registration order (`module.named_parameters()`), which is roughly the order
-backward produces their gradients, and cut into buckets of at least `bucket_size` elements at
-parameter boundaries (default `default_bucket_size(dp)` = max(40M, dp * 1M)). With the
-distributed optimizer each bucket is padded to a multiple of `group.size * PAD_ALIGN` so that
-every rank owns an equal, aligned shard of it.
-
-`p.grad` (and `p.main_grad`) is a view into the buffer, and autograd accumulates into it in
-place. If the grad dtype differs from the param dtype (`grad_dtype=torch.float32` for bf16
-params), `.grad` cannot be a view; the hook then adds it into `p.main_grad` and frees it.
-
-Overlap. A `register_post_accumulate_grad_hook` on each parameter marks it ready; when every
-parameter of a bucket is ready, the bucket's asynchronous collective is launched while backward
-continues. Buckets are launched strictly in one fixed sequence (all buffers together, by
-backward position), so every rank issues the same collectives in the same order even when
-gradients arrive in a different order or a parameter gets none; `finish_grad_sync()` launches
-whatever is left (e.g. buckets of unused parameters, whose gradient is zero) and waits for all.
-
-Steps. Call `zero_grad()` before each step's first backward: it zeroes the buffers (torch's
-`optimizer.zero_grad()` alone does not, and a backward after `finish_grad_sync()` without it
-raises). In all-reduce mode `clip_grad_norm_` gives the global norm over every group;
-`DistributedOptimizer.step()` does that itself.
-
-Scaling: gradients are AVERAGED over the data-parallel replicas. Each bucket is multiplied by
-1 / ps.dp.size before its sum-collective, for expert buckets too: an expert's local gradient
-already sums the losses of all EP ranks (the all-to-all backward brings them), so summing over
-EDP sums over every rank, and the mean over replicas needs 1 / dp, not 1 / edp. Context-parallel
-ranks of one replica hold token shares of the replica's loss (`cp_reduce_loss`), so their
-gradients are summed, not averaged. The objective is therefore the mean of the replicas' losses; with micro-batches,
-divide each micro-batch loss by their number (as the trainer does), and the result is the mean
-over all micro-batches of all ranks, which is the full-batch mean loss when every micro-batch has
-the same number of tokens. `average=False` sums instead (for losses already normalised by the
-global token count).
+Design notes: docs/parallel.md (`moetron/parallel/data_parallel.py`).
 """
 
 from __future__ import annotations
@@ -72,10 +32,9 @@ def default_bucket_size(dp_size: int) -> int:
 
 
 def is_expert_param(module: nn.Module, param: nn.Parameter) -> bool:
-    """Whether `param` (owned directly by `module`) reduces over the expert-data group."""
-    from moetron.moe.experts import GroupedExperts  # lazy: moe imports parallel
-
-    return bool(getattr(param, "expert_parallel", False)) or isinstance(module, GroupedExperts)
+    """Whether `param` reduces over the expert-data group: experts tag their weights
+    `expert_parallel=True` (GroupedExperts.mark_expert_parallel)."""
+    return bool(getattr(param, "expert_parallel", False))
 
 
 # The collectives, looked up at call time (torch 2.13 renamed the single-tensor ones).

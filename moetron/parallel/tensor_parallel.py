@@ -1,42 +1,17 @@
-"""Tensor- and sequence-parallel building blocks: sharded linears, vocab-parallel embedding and
-cross-entropy, sequence scatter/gather, and the chunked communication overlap.
+"""Tensor- and sequence-parallel building blocks: sharded linears, the SwiGLU MLP split over TP,
+sequence scatter/gather, and the chunked communication overlap (vocab parallel: vocab_parallel.py).
 
-Conventions (those of comm.py): the objective is the sum of every rank's loss, a tensor replicated
-over the TP group counts once, and every rank of the group holds the full gradient of a replicated
-tensor. So:
-
-- `ColumnParallelLinear` holds rows `rank*out/tp ...` of the weight. Its input is either replicated
-  (it enters the TP region with `copy_to_group`, whose backward sums the ranks' partial input
-  gradients) or, with sequence parallel, sharded along the sequence (it all-gathers the sequence;
-  the backward reduce-scatters).
-- `RowParallelLinear` holds the matching columns; its partial outputs are summed with an all-reduce
-  or, with sequence parallel, a reduce-scatter along the sequence (each rank keeps its shard).
-- A replicated parameter that only sees part of the work on each rank (a norm or bias applied to
-  this rank's sequence shard, a q/k norm applied to this rank's heads, a kv head shared by several
-  ranks) gets `sum_grad_over_group`: its gradient is summed over the group inside backward, so after
-  `backward()` every parameter's `.grad` is complete and identical where the parameter is.
-
-Sequence parallel shards activations along `seq_dim` (-2: [B,S,H] or [T,H]), in rank order.
-
-Communication overlap (`overlap_chunks > 1`, sequence parallel only): the all-gather before a
-column-parallel GEMM is issued as `overlap_chunks` asynchronous collectives of sequence chunks, and
-the GEMM of chunk i runs while chunks i+1.. are still in flight; the GEMM before a reduce-scatter
-likewise computes chunk i+1 while chunk i's reduce-scatter is in flight. Backward mirrors both
-(reduce-scatter of chunked input gradients behind the GEMMs; all-gather of chunked output gradients
-ahead of them) and computes weight gradients while the last collectives drain. Chunk i of the
-sequence is rows `a_i..b_i` of every rank's shard, so each chunk is one collective of equal-sized
-pieces. Results equal the plain path up to float summation order (the weight gradient is one GEMM
-over the whole sequence, as in the plain path). On GPU, Transformer Engine's userbuffer overlap is
-the faster route; this is the portable torch one.
+Design notes: docs/parallel.md (`moetron/parallel/tensor_parallel.py`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moetron.ops.functional import swiglu
+from moetron.ops.mlp import MLP
 from moetron.parallel import comm
 from moetron.parallel.state import Group
 
@@ -102,7 +77,7 @@ def sum_grad_over_group(param: torch.Tensor, group: Group) -> None:
     param.register_hook(lambda grad: comm.all_reduce(grad, group))
 
 
-def _mark_sharded(param: nn.Parameter, dim: int) -> None:
+def mark_sharded(param: nn.Parameter, dim: int) -> None:
     # Megatron's attribute names, so grad-norm and checkpoint code can tell shards from replicas.
     param.tensor_model_parallel = True
     param.partition_dim = dim
@@ -309,9 +284,9 @@ class ColumnParallelLinear(nn.Module):
                 if p is not None:
                     sum_grad_over_group(p, self.group)
             return
-        _mark_sharded(self.weight, 0)
+        mark_sharded(self.weight, 0)
         if self.bias is not None:
-            _mark_sharded(self.bias, 0)
+            mark_sharded(self.bias, 0)
 
     @classmethod
     @torch.no_grad()
@@ -394,7 +369,7 @@ class RowParallelLinear(nn.Module):
         self.seq_dim, self.overlap_chunks = seq_dim, overlap_chunks
 
     def _mark(self) -> None:
-        _mark_sharded(self.weight, 1)
+        mark_sharded(self.weight, 1)
         if self.bias is not None and self.sequence_parallel:
             sum_grad_over_group(self.bias, self.group)  # added to this rank's sequence shard only
 
@@ -425,122 +400,21 @@ class RowParallelLinear(nn.Module):
         return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
                 f"tp={self.group.size}, sp={self.sequence_parallel}")
 
-
-class VocabParallelEmbedding(nn.Module):
-    """Embedding whose rows (the vocabulary) are split over the group: rank r holds ids
-    `r*V/tp ... (r+1)*V/tp - 1`. Each rank looks up its ids (zeros elsewhere) and the partial
-    results are summed: all-reduce, or reduce-scatter along `seq_dim` with sequence parallel."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, group: Group, *,
-                 sequence_parallel: bool = False, seq_dim: int = -2, init_std: float = 0.02):
-        super().__init__()
-        self._configure(num_embeddings, embedding_dim, group, sequence_parallel, seq_dim)
-        self.weight = nn.Parameter(torch.empty(num_embeddings // group.size, embedding_dim))
-        nn.init.normal_(self.weight, std=init_std)
-        _mark_sharded(self.weight, 0)
-
-    def _configure(self, num_embeddings, embedding_dim, group, sequence_parallel, seq_dim) -> None:
-        if num_embeddings % group.size:
-            raise ValueError(f"tp={group.size} does not divide vocab_size={num_embeddings}: pad the "
-                             f"vocabulary to a multiple of tp")
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.group, self.sequence_parallel, self.seq_dim = group, sequence_parallel and group.size > 1, seq_dim
-        self.vocab_start = group.rank * (num_embeddings // group.size)
-
-    @classmethod
-    @torch.no_grad()
-    def from_embedding(cls, embedding: nn.Embedding, group: Group, *, sequence_parallel: bool = False,
-                       seq_dim: int = -2) -> VocabParallelEmbedding:
-        """This rank's rows of a full `nn.Embedding` (or a tied output weight's owner)."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self._configure(embedding.num_embeddings, embedding.embedding_dim, group, sequence_parallel, seq_dim)
-        n = self.num_embeddings // group.size
-        self.weight = nn.Parameter(embedding.weight[self.vocab_start:self.vocab_start + n].clone())
-        _mark_sharded(self.weight, 0)
-        return self
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.group.size == 1:
-            return F.embedding(ids, self.weight)
-        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.weight.shape[0])
-        emb = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.weight)
-        emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)
-        if not self.sequence_parallel:
-            return comm.all_reduce(emb, self.group)
-        dim = self.seq_dim % emb.dim()
-        if emb.shape[dim] % self.group.size:
-            raise ValueError(f"sequence parallel splits the sequence over tp={self.group.size} ranks, but "
-                             f"input_ids of shape {tuple(ids.shape)} have {emb.shape[dim]} positions; "
-                             f"use a sequence length divisible by tp")
-        return comm.reduce_scatter(emb, self.group, dim)
-
-    def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim} (local rows {self.vocab_start}.."
-                f"{self.vocab_start + self.weight.shape[0] - 1}), tp={self.group.size}, sp={self.sequence_parallel}")
+# ---- the SwiGLU MLP -----------------------------------------------------------------------
 
 
-# ---- vocab-parallel cross-entropy ------------------------------------------------------------
+class TensorParallelMLP(MLP):
+    """SwiGLU MLP split on the intermediate dim (gate/up column-parallel, down row-parallel)."""
+
+    def forward(self, x: torch.Tensor, *, input_entered: bool = False) -> torch.Tensor:
+        gate, up = column_parallel_forward(x, [self.gate_proj, self.up_proj], input_entered=input_entered)
+        return self.down_proj(swiglu(gate, up))
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token loss from logits split on the vocabulary; only [N] vectors cross ranks."""
-
-    @staticmethod
-    def forward(ctx, logits_NV, labels_N, handle, vocab_start, ignore_index):
-        x = logits_NV.float()
-        n_local = x.shape[-1]
-        max_N = x.max(dim=-1).values
-        dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=handle)
-        x = x - max_N.unsqueeze(-1)  # a fresh buffer: reused below for exp and softmax
-        mine = (labels_N >= vocab_start) & (labels_N < vocab_start + n_local)
-        local_N = (labels_N - vocab_start).masked_fill(~mine, 0)
-        target_N = x.gather(1, local_N.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
-        x.exp_()
-        stats = torch.stack([x.sum(dim=-1), target_N])  # one all-reduce for both
-        dist.all_reduce(stats, group=handle)
-        sum_exp_N, target_N = stats[0], stats[1]
-        valid = labels_N != ignore_index
-        loss_N = (torch.log(sum_exp_N) - target_N).masked_fill(~valid, 0.0)
-        x.div_(sum_exp_N.unsqueeze(-1))  # softmax of this rank's vocabulary slice
-        ctx.save_for_backward(x, local_N, mine & valid, valid)
-        ctx.logits_dtype = logits_NV.dtype
-        return loss_N
-
-    @staticmethod
-    def backward(ctx, grad_N):
-        softmax, local_N, target_here, valid = ctx.saved_tensors
-        g = grad_N.float().masked_fill(~valid, 0.0)
-        grad = softmax * g.unsqueeze(-1)
-        grad.scatter_add_(1, local_N.unsqueeze(1), -(g * target_here).unsqueeze(1))
-        return grad.to(ctx.logits_dtype), None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Group, *,
-                                 vocab_start: int | None = None, ignore_index: int = -100,
-                                 reduction: str = "sum") -> torch.Tensor:
-    """Cross-entropy of logits split on the vocabulary over `group`, in fp32, without gathering them.
-
-    logits `[..., V/tp]` hold vocabulary ids `vocab_start ...` (default `rank * V/tp`); labels `[...]`
-    hold full-vocabulary ids, `ignore_index` where ignored. Equals `F.cross_entropy` of the full
-    logits; `reduction` is "sum" (as moetron.ops.cross_entropy), "mean" (over non-ignored labels)
-    or "none". Backward needs no communication: each rank gets the gradient of its slice.
-    """
-    if reduction not in ("sum", "mean", "none"):
-        raise ValueError(f"reduction={reduction!r}: choose 'sum', 'mean' or 'none'")
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on the "
-                         f"token dims")
-    if vocab_start is None:
-        vocab_start = group.rank * logits.shape[-1]
-    logits_NV, labels_N = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-    if group.size == 1:
-        loss_N = F.cross_entropy(logits_NV.float(), labels_N, ignore_index=ignore_index, reduction="none")
-    else:
-        loss_N = _VocabParallelCrossEntropy.apply(logits_NV, labels_N, group.handle, vocab_start, ignore_index)
-    if reduction == "none":
-        return loss_N.view(labels.shape)
-    total = loss_N.sum()
-    if reduction == "sum":
-        return total
-    return total / (labels_N != ignore_index).sum()
+def parallelize_mlp(mlp: MLP, tp: Group, sp: bool, chunks: int) -> MLP:
+    kw = dict(sequence_parallel=sp, overlap_chunks=chunks)
+    mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, tp, **kw)
+    mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, tp, **kw)
+    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp, **kw)
+    mlp.__class__ = TensorParallelMLP
+    return mlp

@@ -7,13 +7,16 @@ differently, see `PipelineSchedule.stages_of_rank`. Errors point at the characte
 fault, because layouts for 61-layer models are written by hand and typos are easy.
 
 When no layout is given, `balanced_layout` partitions per-item costs (from
-`estimate_item_costs` or measured) into contiguous stages minimising the slowest stage.
+`item_costs` or measured) into contiguous stages minimising the slowest stage.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence
+
+from moetron.config import ModelConfig
+from moetron.model.size import layer_params
 
 KINDS = {"E": "embedding", "t": "decoder", "m": "mtp", "L": "loss"}
 MAX_REPEAT = 100_000
@@ -302,59 +305,28 @@ class ItemCosts:
     mtp: tuple[float, ...] = ()
 
 
-def estimate_item_costs(
-    *,
-    hidden_size: int,
-    num_layers: int,
-    vocab_size: int,
-    seq_len: int,
-    ffn_hidden_size: int,
-    num_experts: int = 0,
-    moe_ffn_hidden_size: int | None = None,
-    top_k: int = 0,
-    num_shared_experts: int = 0,
-    first_k_dense: int = 0,
-    mtp_layers: int = 0,
-    attention_params: int | None = None,
-    memory_weight: float = 0.0,
-) -> ItemCosts:
-    """Per-item cost = share of training FLOPs + `memory_weight` x share of parameters.
-
-    FLOPs dominate a stage's time, so they are the default; parameters (memory) enter only
-    when `memory_weight` > 0. Layers `first_k_dense` onwards are MoE when `num_experts` > 0.
-    `attention_params` defaults to 4*h*h (q, k, v, o projections). MTP layers cost one decoder
-    layer (MoE if the model has experts) plus the 2h->h projection and an extra output head.
-    """
-    h, s = hidden_size, seq_len
-    attn_params = 4 * h * h if attention_params is None else attention_params
-    attn_flops = 2 * s * attn_params + 2 * s * s * h  # projections + causal QK^T and AV
-    dense_params = 3 * h * ffn_hidden_size
-    moe_ffn = moe_ffn_hidden_size or ffn_hidden_size
-    expert_params = 3 * h * moe_ffn
-    moe_params = num_experts * expert_params + num_shared_experts * expert_params + num_experts * h
-    moe_active = (top_k + num_shared_experts) * expert_params + num_experts * h
-    head_params = vocab_size * h
-
-    def moe(i: int) -> bool:
-        return num_experts > 0 and i >= first_k_dense
-
-    flops = [attn_flops + 2 * s * (moe_active if moe(i) else dense_params)
-             for i in range(num_layers)]
-    params = [attn_params + (moe_params if moe(i) else dense_params) for i in range(num_layers)]
-    mtp_ffn_flops, mtp_ffn_params = (moe_active, moe_params) if num_experts else (dense_params,) * 2
-    mtp_flops = [attn_flops + 2 * s * (mtp_ffn_flops + 2 * h * h + head_params)] * mtp_layers
-    mtp_par = [attn_params + mtp_ffn_params + 2 * h * h] * mtp_layers
-    all_flops = [2 * s * h] + flops + mtp_flops + [2 * s * head_params]
-    all_params = [head_params] + params + mtp_par + [head_params]
-    # Training is about 3x forward FLOPs everywhere, so shares are the same either way.
-    total_f, total_p = sum(all_flops) or 1, sum(all_params) or 1
-    cost = [f / total_f + memory_weight * p / total_p for f, p in zip(all_flops, all_params)]
-    return ItemCosts(
-        embedding=cost[0],
-        layers=tuple(cost[1 : 1 + num_layers]),
-        mtp=tuple(cost[1 + num_layers : 1 + num_layers + mtp_layers]),
-        loss=cost[-1],
-    )
+def item_costs(c: ModelConfig, seq_len: int, memory_weight: float = 0.0) -> ItemCosts:
+    """The one pipeline cost model: each layout item's share of the training FLOPs per token
+    (embedding, each decoder layer, the loss head, each MTP layer), plus `memory_weight` x its
+    share of the parameters. FLOPs decide a stage's time, so they are the default; `moetron plan`
+    and `balanced_layout` both read this."""
+    if c.attention_type == "gqa":
+        qk, v = c.head_dim, c.head_dim
+    else:
+        qk, v = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+    attention = 3 * 2 * c.num_attention_heads * (seq_len / 2) * (qk + v)  # causal QK^T and AV
+    H, V = c.hidden_size, c.vocab_size
+    head = 6.0 * V * H
+    n, m = c.num_layers, c.num_mtp_layers
+    flops = [6.0 * H] + [6.0 * layer_params(c, i)[1] + attention for i in range(n)]
+    flops += [6.0 * layer_params(c, n + k)[1] + attention + 6.0 * 2 * H * H + head for k in range(m)]
+    flops += [head]
+    params = [V * H] + [layer_params(c, i)[0] for i in range(n)]
+    params += [layer_params(c, n + k)[0] + 2 * H * H for k in range(m)] + [V * H]
+    total_f, total_p = sum(flops), sum(params)
+    cost = [f / total_f + memory_weight * q / total_p for f, q in zip(flops, params)]
+    return ItemCosts(embedding=cost[0], layers=tuple(cost[1:1 + n]), mtp=tuple(cost[1 + n:1 + n + m]),
+                     loss=cost[-1])
 
 
 def balanced_layout(costs: ItemCosts, *, pp: int, vpp: int = 1) -> str:

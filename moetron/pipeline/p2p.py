@@ -1,23 +1,6 @@
 """Point-to-point transfers between pipeline stages, in an order that cannot deadlock.
 
-Every message of a schedule (a forward activation going to stage s, or the gradient of stage
-s's outputs coming back) gets a place in one global order: the order in which
-`schedules.run_in_order` (a valid sequential execution of all ranks' lists) produces it. Each
-rank issues the sends and receives it takes part in strictly in that order, batched with
-`dist.batch_isend_irecv`:
-
-- a send is issued as soon as its tensors exist; everything before it in the rank's order is
-  then either an earlier send (its producer ran earlier on this rank) or a receive, which can
-  be posted at any time because its shape is known in advance;
-- a receive is posted at the latest just before its consumer runs (earlier with
-  `prefetch`, which is what `overlap_p2p_comm` uses to post the next action's receives before
-  the current compute).
-
-So both ends of every pair see their messages in the same order (gloo matches by order,
-NCCL's batched P2P runs each rank's operations in order on one stream), and the first
-unfinished message in the global order always has both of its ends issued: no cycle of
-waits can form. All operations go through `batch_isend_irecv`, never single `isend`, so on
-NCCL both ends use the same communicator.
+Design notes: docs/pipeline.md (`moetron/pipeline/p2p.py`).
 """
 
 from __future__ import annotations

@@ -5,42 +5,11 @@
     chunks = build_stage_modules(model, layout, schedule, rank)
     result = run_schedule(schedule, chunks, microbatches, group=ps.pp)
     result.loss            # mean over micro-batches, on every rank
-    # parameter .grad now holds d(result.loss)/dp, shared copies summed over their holders
 
-Each rank walks `schedule.rank_actions[rank]` in order:
-- `F`: receive the stage inputs (or embed the micro-batch), run the stage, keep its graph,
-  send the outputs on;
-- `B`: receive the gradients of the outputs (or seed the loss), backpropagate, send the
-  input gradients back. With `split_backward` only input gradients are computed
-  (`backward_input`, autograd on the inputs only), and the later `W` computes the weight
-  gradients from the gradients captured at the boundary between the input path and the
-  weight-only part of the graph (`WeightGradients`), without redoing the input path;
-- `FB`: the forward of one micro-batch and the (full) backward of another. With
-  `fb_overlap="off"` they run back to back. With "layer" or "moe" both run as chains of
-  pieces (attention / MLP, or attention / dispatch / experts / combine: DESIGN principle 5)
-  taking turns. With an all-to-all dispatcher the "moe" chains also hold the two EP
-  all-to-alls of each MoE layer as communication pieces (moetron/pipeline/overlap.py): the
-  executor issues them asynchronously (forward: the rows; backward: their gradient, without
-  autograd), lets the other chain run until it issues its own, and waits only when the next
-  piece needs the result, so each all-to-all hides behind the other micro-batch's compute.
-  Still synchronous: each dispatch's count exchange (one host sync), ETP collectives, other
-  dispatchers' communication, and the pipeline P2P between actions (which
-  `overlap_p2p_comm` prefetches). 1F1B and interleaved schedules get FB actions when
-  `fb_overlap` is on: each full backward is paired with the forward after it
-  (`overlap.pair_forward_backward`); DualPipe(V) come with their own pairs.
-
-Loss convention: each micro-batch's loss is its own mean over its tokens (`MoETransformer`'s
-`total_loss`: LM + mtp_loss_weight x MTP); the step's loss is the mean over micro-batches,
-so each micro-batch's backward is seeded with `loss_scale` = 1/microbatches (the aux-loss
-gradient scale is set to the same value for the run unless `aux_loss_scale` says otherwise, as
-the trainer does under gradient accumulation). This equals the single-process loss and
-gradients on the concatenated batch whenever every micro-batch has the same number of
-non-ignored labels. Under context parallel the micro-batches are this CP rank's chunks
-(`split_batch`) and each loss is already CP-reduced, the same on every CP rank (stage.py).
-
-Shared parameters (the embedding on the E, MTP and tied-head stages; every stage under
-DualPipe) get their gradients summed over the ranks that hold them at the end of the run,
-by P2P in a fixed order (`reduce_shared_gradients`).
+Each rank walks its actions: F (forward, send), B (backward; input gradients only under a split
+backward, split_backward.py), W (weight gradients), FB (one micro-batch's forward beside another's
+backward, as chains of pieces taking turns). Loss convention, F&B overlap and shared-parameter
+reduction: docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -51,11 +20,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
 
 from moetron.moe import balancing
 from moetron.moe.layer import MoELayer
-from moetron.pipeline.overlap import CommPiece, pair_forward_backward
+from moetron.moe.pieces import CommPiece
+from moetron.pipeline.overlap import pair_forward_backward
+from moetron.pipeline.split_backward import WeightGradients, backward_input
 from moetron.pipeline.p2p import Message, PipelineP2P, ProcessGroupInfo, sum_over_ranks
 from moetron.pipeline.schedules import Action, PipelineSchedule, ScheduleError
 from moetron.pipeline.stage import (
@@ -90,150 +60,6 @@ class PipelineResult:
     @property
     def mtp_loss(self) -> torch.Tensor | None:
         return None if self.mtp_losses is None else self.mtp_losses.mean()
-
-
-# ------------------------------------------------------------------ split backward (B / W)
-
-
-def _node(t: torch.Tensor) -> Node:
-    """The autograd node a gradient for `t` enters (its AccumulateGrad node for a leaf)."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    return t.view_as(t).grad_fn.next_functions[0][0]
-
-
-class WeightGradients:
-    """The weight-gradient half of a split backward, captured by `backward_input`.
-
-    The graph from the outputs splits into nodes that lead to an input (the input path, run
-    by `backward_input`) and nodes that lead only to weights. `backward_input` records the
-    gradients entering each input-path node that has a weight-only child; `run` then
-    differentiates from those nodes to the weights, one connected weight-only region at a
-    time, so the input path is not run again. (Where one recorded node reaches another
-    through the input path inside one region, e.g. a weight used both by a tied head and an
-    MTP embedding, that stretch is re-run and the recorded gradient is pinned with a hook.)
-    """
-
-    def __init__(self, groups, captured, root_seeds):
-        # The nodes held here keep the weight side of the graph alive until run(); the
-        # rest (above the recorded nodes) is freed with the outputs.
-        self.groups = groups  # [(frontier nodes, [(root node, nr)], [AccumulateGrad nodes])]
-        self.captured = captured  # frontier node -> gradients entering it
-        self.root_seeds = root_seeds  # (node, nr) -> gradient, for outputs off the input path
-
-    def run(self) -> None:
-        for frontier, roots, weights in self.groups:
-            edges, seeds = [], []
-            for node in frontier:
-                for i, g in enumerate(self.captured.get(node, ())):
-                    if g is not None:
-                        edges.append(GradientEdge(node, i))
-                        seeds.append(g)
-            for node, nr in roots:
-                edges.append(GradientEdge(node, nr))
-                seeds.append(self.root_seeds[(node, nr)])
-            if not edges:
-                continue
-            handles = []
-            if len(frontier) > 1:  # pin recorded gradients against a re-run of the input path
-                for node in frontier:
-                    grads = self.captured.get(node)
-                    if grads is not None:
-                        handles.append(node.register_prehook(lambda _, g=grads: g))
-            try:  # accumulates through the weights' own AccumulateGrad nodes (their hooks run)
-                torch.autograd.backward(edges, seeds, retain_graph=True,
-                                        inputs=[acc.variable for acc in weights])
-            finally:
-                for h in handles:
-                    h.remove()
-        self.groups = self.captured = self.root_seeds = None
-
-
-def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                   inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor | None], WeightGradients]:
-    """Gradients of `inputs` only; the weight gradients are left to the returned object."""
-    out_nodes = [_node(o) for o in outputs]
-    input_nodes = {_node(x) for x in inputs if x.requires_grad}
-    children: dict[Node, list[Node]] = {}
-    parents: dict[Node, list[Node]] = collections.defaultdict(list)
-    stack = list(dict.fromkeys(out_nodes))
-    seen = set(stack)
-    # Discovery order, the same on every rank running the same graph. Iterating the set would
-    # follow memory addresses, and the weight regions (whose backward may all-reduce, e.g. the
-    # grads of sequence-parallel norms) would run in a different order on each TP rank.
-    order = list(stack)
-    while stack:
-        node = stack.pop()
-        kids = [fn for fn, _ in node.next_functions if fn is not None]
-        children[node] = kids
-        for fn in kids:
-            parents[fn].append(node)
-            if fn not in seen:
-                seen.add(fn)
-                order.append(fn)
-                stack.append(fn)
-
-    def reaching(targets) -> set[Node]:
-        found, todo = set(targets), list(targets)
-        while todo:
-            for p in parents[todo.pop()]:
-                if p not in found:
-                    found.add(p)
-                    todo.append(p)
-        return found
-
-    on_input_path = reaching(input_nodes & seen)
-    weight_nodes = [n for n in order if hasattr(n, "variable") and n not in input_nodes]
-    to_weights = reaching(weight_nodes)
-    weight_only = to_weights - on_input_path
-
-    # Union-find over weight-only nodes and the input-path nodes feeding them.
-    parent: dict[Node, Node] = {}
-
-    def find(n: Node) -> Node:
-        while parent.setdefault(n, n) is not n:
-            parent[n] = parent[parent[n]]
-            n = parent[n]
-        return n
-
-    frontier = []
-    for node in order:
-        kids = [k for k in children[node] if k in weight_only]
-        if node in weight_only or kids:
-            find(node)
-        for k in kids:
-            parent[find(k)] = find(node)
-        if kids and node in on_input_path:
-            frontier.append(node)
-    root_seeds = {}
-    for o, g, node in zip(outputs, grads, out_nodes):
-        if node in weight_only:
-            edge = torch.autograd.graph.get_gradient_edge(o)
-            root_seeds[(edge.node, edge.output_nr)] = g
-    regions: dict[Node, tuple[list, list, list]] = {}
-    for node in frontier:
-        regions.setdefault(find(node), ([], [], []))[0].append(node)
-    for node, nr in root_seeds:
-        regions.setdefault(find(node), ([], [], []))[1].append((node, nr))
-    for node in weight_nodes:
-        if node in weight_only:
-            regions.setdefault(find(node), ([], [], []))[2].append(node)
-
-    captured: dict[Node, tuple] = {}
-    handles = [n.register_prehook(lambda g, n=n: captured.__setitem__(n, tuple(g))) for n in frontier]
-    try:
-        wanted = [x for x in inputs if x.requires_grad]
-        path_outputs = [(o, g) for o, g, n in zip(outputs, grads, out_nodes) if n in on_input_path]
-        dx = list(torch.autograd.grad([o for o, _ in path_outputs], wanted, [g for _, g in path_outputs],
-                                      retain_graph=True, allow_unused=True)) if wanted and path_outputs \
-            else [None] * len(wanted)
-    finally:
-        for h in handles:
-            h.remove()
-    it = iter(dx)
-    input_grads = [next(it) if x.requires_grad else None for x in inputs]
-    groups = [r for r in regions.values() if r[2]]
-    return input_grads, WeightGradients(groups, captured, root_seeds)
 
 
 # ------------------------------------------------------------------ executor

@@ -4,45 +4,11 @@
     schedule = build_schedule("1f1b", pp=4, microbatches=8)
     chunks = build_stage_modules(model, layout, schedule, rank)   # this rank's stages, by chunk
 
-A `PipelineStageModule` holds references to the model's own submodules (no copies), under
-the model's attribute names, so `stage.named_parameters()` yields exactly the model's names
-(`layers.3.self_attn.q_proj.weight`, ...). Every stage receives the micro-batch (`MicroBatch`:
-input ids, pre-shifted labels, positions); the first stage embeds, the others receive hidden
-states from the previous stage.
-
-What travels between stages (the "payload", a tuple of `[B, S, hidden]` tensors):
-`(h,)` until the first MTP layer; after n of the model's MTP layers
-`(h, normed_1, ..., normed_n, h_mtp_n)`, where `normed_k` is MTP depth k's normed output for
-the shared head and `h_mtp_n` (the input of depth n+1) is dropped once no MTP layer is left.
-The loss stage computes the LM loss and every depth's MTP loss, exactly as
-`MoETransformer.forward` does, and returns `(total_loss, lm_loss, mtp_loss)` (the last two
-detached, `mtp_loss` only when the model has MTP layers).
-
-As pieces (`pieces`), a stage is a chain of functions from one state tuple to the next, which
-the pipeline executor can interleave with another micro-batch's chain; with the all-to-all
-dispatcher each MoE layer's two token all-to-alls are communication pieces that the executor
-issues asynchronously (moetron/pipeline/overlap.py); each dispatch's count exchange stays a
-synchronous host sync inside the dispatch piece.
-
-Context parallel (cp > 1): the model is `context_parallelize`d before its stages are built, and
-each micro-batch is this CP rank's `split_batch` (two chunks, global positions), so everything
-that travels between stages is `[B, S/cp, hidden]`. Attention exchanges keys/values over CP
-inside a stage; the loss stage uses the model's CP-reduced `lm_loss` (the token-weighted mean
-over the CP ranks, the same on each) and its `shift_labels` for MTP labels that cross chunk
-borders, so a pipeline's losses and summed gradients equal the one-process ones.
-
-Shared parameters: the embedding is used by the E stage, by every stage holding MTP layers
-(embedding of the future tokens) and by the loss stage when the head is tied. A stage
-that needs it holds the model's `embed_tokens` under its own name; when such stages sit on
-different ranks, each rank has its own copy and `moetron.pipeline.runtime` sums their
-gradients over the holders after the schedule (Megatron's embedding group). DualPipe holds
-every stage on two ranks, so there every parameter is shared that way.
+Design notes: docs/pipeline.md (`moetron/pipeline/stage.py`).
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,12 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetron.dispatch.base import is_phased
-from moetron.model import recompute
 from moetron.model.model import IGNORE_INDEX, MoETransformer, lm_cross_entropy
 from moetron.model.mtp import shift_left
-from moetron.pipeline.layout import LayoutError, PipelineLayout, PipelineStage
-from moetron.pipeline.overlap import CommPiece
+from moetron.pipeline.layout import (LayoutError, PipelineLayout, PipelineStage, balanced_layout, item_costs,
+                                     parse_layout)
+from moetron.pipeline.schedules import build_schedule
+from moetron.moe.pieces import moe_pieces
+from moetron.parallel.context_parallel import local_positions
 
 Tensors = tuple[torch.Tensor, ...]
 Piece = tuple[str, Callable[[Tensors], Tensors]]
@@ -205,7 +172,7 @@ class PipelineStageModule(nn.Module):
                 continue
             out.append((f"attention{i}", lambda state, layer=layer: (layer.attention_block(state[0], rope),)))
             if split == "moe" and layer.is_moe:
-                out.extend(_moe_pieces(layer, i))
+                out.extend(moe_pieces(layer.post_attention_layernorm, layer.mlp, i))
             else:
                 out.append((f"mlp{i}", lambda state, layer=layer: (layer.mlp_block(state[0]),)))
         mtp_done = self._mtp_done_before
@@ -227,8 +194,6 @@ class PipelineStageModule(nn.Module):
         cp = self.cp_group
         if cp is None or cp.size == 1:
             return torch.arange(s, device=device)[None]
-        from moetron.parallel.context_parallel import local_positions
-
         return local_positions(s * cp.size, cp.size, cp.rank, device)[None]
 
     def _mtp_piece(self, state: Tensors, j: int, done: int, batch: MicroBatch, rope) -> Tensors:
@@ -255,139 +220,6 @@ class PipelineStageModule(nn.Module):
         mtp_loss = torch.stack(losses).mean()
         total = lm_loss + self.config.mtp_loss_weight * mtp_loss
         return (total, lm_loss.detach(), mtp_loss.detach())
-
-
-# ------------------------------------------------------------------------------ MoE pieces
-
-
-def _moe_pieces(layer, index: int) -> list[Piece]:
-    """dispatch | experts (+ shared experts) | combine (+ residual) for one MoE decoder layer;
-    with a phased dispatcher (all-to-all) also the two all-to-alls as communication pieces.
-
-    Tensors of the dispatcher's handle that carry gradients (gate weights, or dispatched
-    weights on flex) cross piece boundaries as tuple entries and are put back into the
-    handle, so each piece's backward stays inside its own piece.
-    """
-    moe = layer.mlp
-    if is_phased(moe.dispatcher):
-        return _phased_moe_pieces(layer, index)
-    ctx: dict[str, Any] = {}
-
-    def dispatch(state: Tensors) -> Tensors:
-        h = state[0]
-        x = layer.post_attention_layernorm(h)
-        x_TH = x.reshape(-1, x.shape[-1])
-        routing = moe.route(x_TH, x.shape[-2])
-        x_NH, rows, handle = moe.dispatch(x_TH, routing)
-        ctx["rows"], ctx["handle"] = rows, handle
-        ctx["slots"] = slots = _grad_tensors(handle)
-        shared_in = (x_TH,) if moe.shared_experts is not None else ()
-        return (h.view_as(h), x_NH, *slots, *shared_in)
-
-    def experts(state: Tensors) -> Tensors:
-        n = len(ctx["slots"])
-        h, x_NH, slots, shared_in = state[0], state[1], state[2:2 + n], state[2 + n:]
-        y_NH = moe.compute_experts(x_NH, ctx["rows"])
-        extra = (moe.shared(shared_in[0]),) if shared_in else ()
-        return (h.view_as(h), y_NH, *(t.view_as(t) for t in slots), *extra)
-
-    return [(f"dispatch{index}", dispatch), (f"experts{index}", experts),
-            (f"combine{index}", _combine_piece(ctx, moe.combine))]
-
-
-def _combine_piece(ctx: dict[str, Any], combine_rows: Callable) -> Callable[[Tensors], Tensors]:
-    """The last MoE piece: put the gate-weight slots back into the handle, combine the rows
-    (`combine_rows(rows, handle)`), add the shared-expert output and the residual."""
-    def combine(state: Tensors) -> Tensors:
-        n = len(ctx["slots"])
-        h, y, slots, extra = state[0], state[1], state[2:2 + n], state[2 + n:]
-        handle = _replace_tensors(ctx["handle"], dict(zip(map(id, ctx["slots"]), slots)))
-        out = combine_rows(y, handle)
-        if extra:
-            out = out + extra[0]
-        ctx.clear()
-        return (h + out.view(h.shape),)
-
-    return combine
-
-
-def _phased_moe_pieces(layer, index: int) -> list[Piece]:
-    """dispatch | dispatch_a2a | experts | combine_a2a | combine, the all-to-alls as CommPieces
-    on state entry 1 (rows), which the executor runs asynchronously (pipeline/overlap.py).
-
-    The state is `(h, rows, *gate-weight slots, *shared-expert input or output)`; the plan and
-    handle (host splits, permutation indices) travel in the closures.
-    """
-    moe = layer.mlp
-    dispatcher = moe.dispatcher
-    ctx: dict[str, Any] = {}
-
-    def dispatch(state: Tensors) -> Tensors:  # norm, route, permute, count exchange
-        h = state[0]
-        x = layer.post_attention_layernorm(h)
-        x_TH = x.reshape(-1, x.shape[-1])
-        routing = moe.route(x_TH, x.shape[-2])
-        with recompute.saved_outputs("layernorm" in moe.recompute_modules):  # as MoELayer.dispatch
-            x_send, ctx["dispatch_a2a"], ctx["plan"] = dispatcher.dispatch_preprocess(x_TH, routing)
-        ctx["slots"] = slots = _grad_tensors(ctx["plan"])
-        shared_in = (x_TH,) if moe.shared_experts is not None else ()
-        return (h.view_as(h), x_send, *slots, *shared_in)
-
-    def experts(state: Tensors) -> Tensors:  # postprocess, experts, shared, combine-preprocess
-        n = len(ctx["slots"])
-        h, x_recv, slots, shared_in = state[0], state[1], state[2:2 + n], state[2 + n:]
-        x_NH, rows, ctx["handle"] = dispatcher.dispatch_postprocess(x_recv, ctx.pop("plan"))
-        y_NH = moe.compute_experts(x_NH, rows)
-        y_send, ctx["combine_a2a"] = dispatcher.combine_preprocess(y_NH, ctx["handle"])
-        extra = (moe.shared(shared_in[0]),) if shared_in else ()
-        return (h.view_as(h), y_send, *(t.view_as(t) for t in slots), *extra)
-
-    return [(f"dispatch{index}", dispatch),
-            (f"dispatch_a2a{index}", CommPiece(1, lambda: ctx.pop("dispatch_a2a"))),
-            (f"experts{index}", experts),
-            (f"combine_a2a{index}", CommPiece(1, lambda: ctx.pop("combine_a2a"))),
-            (f"combine{index}", _combine_piece(ctx, dispatcher.combine_postprocess))]
-
-
-def _children(obj: Any):
-    if isinstance(obj, (tuple, list)):
-        return list(enumerate(obj))
-    if isinstance(obj, dict):
-        return list(obj.items())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-    return []
-
-
-def _grad_tensors(obj: Any) -> list[torch.Tensor]:
-    """Tensors that require grad inside tuples, lists, dicts and dataclasses of `obj`."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.requires_grad else []
-    found: list[torch.Tensor] = []
-    for _, child in _children(obj):
-        for t in _grad_tensors(child):
-            if all(t is not u for u in found):
-                found.append(t)
-    return found
-
-
-def _replace_tensors(obj: Any, new: dict[int, torch.Tensor]) -> Any:
-    """A copy of `obj` with tensors replaced by `new[id(tensor)]` (containers rebuilt)."""
-    if isinstance(obj, torch.Tensor):
-        return new.get(id(obj), obj)
-    if isinstance(obj, tuple):
-        return type(obj)(*(_replace_tensors(c, new) for c in obj)) if hasattr(obj, "_fields") \
-            else tuple(_replace_tensors(c, new) for c in obj)
-    if isinstance(obj, list):
-        return [_replace_tensors(c, new) for c in obj]
-    if isinstance(obj, dict):
-        return {k: _replace_tensors(v, new) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        clone = copy.copy(obj)
-        for name, child in _children(obj):
-            object.__setattr__(clone, name, _replace_tensors(child, new))
-        return clone
-    return obj
 
 
 # ------------------------------------------------------------------------------ building
@@ -433,3 +265,20 @@ def shared_parameter_ranks(layout: PipelineLayout, schedule, tied: bool) -> dict
             for key in parameter_keys(layout.stages[s], tied):
                 holders.setdefault(key, set()).add(rank)
     return {k: tuple(sorted(v)) for k, v in holders.items() if len(v) > 1}
+
+
+def default_layout(config, seq_len: int, pp: int, vpp: int = 1) -> str:
+    """The layout used when none is given: stages balanced by training FLOPs (`item_costs`)."""
+    return balanced_layout(item_costs(config, seq_len), pp=pp, vpp=vpp)
+
+
+def pipeline_stages(model: MoETransformer, parallel_state, parallel, *, microbatches: int, seq_len: int):
+    """Cut `model` into this rank's pipeline stages: `(schedule, layout, stages)`. `parallel.layout`,
+    or `default_layout`; one code path for the trainer and the converter."""
+    p, c = parallel, model.config
+    vpp = p.vpp if p.schedule == "interleaved" else None
+    schedule = build_schedule(p.schedule, pp=p.pp, microbatches=microbatches, vpp=vpp)
+    per_rank = schedule.num_stages // p.pp
+    text = p.layout or default_layout(c, seq_len, p.pp, per_rank)
+    layout = parse_layout(text, num_layers=c.num_layers, mtp_layers=c.num_mtp_layers, pp=p.pp, vpp=per_rank)
+    return schedule, layout, build_stage_modules(model, layout, schedule, parallel_state.pp.rank)

@@ -1,8 +1,9 @@
-"""precision: FP8 recipes and quantization (fp8), FP8 modules and apply_fp8 (fp8_modules),
+"""precision: FP8 recipes and quantization (fp8), FP8 GEMMs and
+linear functions (fp8_matmul), FP8 modules and apply_fp8 (fp8_modules),
 checkpoint-style 128×128 block quantization (blockwise)."""
 
-from moetron.precision.fp8 import (FP8_RECIPES, FP8Recipe, Quantized, blockwise, delayed, fp8_gemm,
-                                   fp8_grouped_linear, fp8_linear, get_fp8_recipe, tensorwise)
+from moetron.precision.fp8 import FP8_RECIPES, FP8Recipe, Quantized, blockwise, delayed, get_fp8_recipe, tensorwise
+from moetron.precision.fp8_matmul import fp8_gemm, fp8_grouped_linear, fp8_linear
 from moetron.precision.fp8_modules import (FP8GroupedExperts, FP8Linear, apply_fp8, fp8_modules,
                                            fp8_state_dict, load_fp8_state_dict)
 

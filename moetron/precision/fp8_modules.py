@@ -4,32 +4,7 @@
     apply_fp8(model, "blockwise")                  # or tensorwise / delayed / an FP8Recipe
     out = model(input_ids, labels=labels)          # same parameters, same names, FP8 GEMMs
 
-`apply_fp8` swaps modules IN PLACE by changing their class (the `tensor_parallelize` idiom), so
-every parameter stays the same object under the same name: optimizers, DataParallel buffers,
-checkpoints and the Hugging Face bridge see no difference. What changes:
-
-- every plain `nn.Linear` -> `FP8Linear` (attention projections, dense MLPs, shared experts, the
-  MTP projection), except the output head (`lm_head`), the shared-expert gate and anything
-  matched by `exclude`;
-- every `GroupedExperts` -> `FP8GroupedExperts` (FP8 through the grouped-GEMM seam), and the
-  MoE layer's dispatcher pads each expert's rows to `recipe.grouped_pad_multiple` (16: what FP8
-  grouped GEMMs need; zero rows change no result);
-- the router, embedding, output head, norms and attention core stay in high precision
-  (REFERENCE §5), as do master weights and gradients (parameters keep their dtype).
-
-Delayed scaling keeps an amax history per module in a NON-persistent buffer `fp8_amax_history`
-`[3 (input, weight, grad_output), L, G]` (G = 1, or the local experts), so `state_dict()` keys do
-not change; `fp8_state_dict` / `load_fp8_state_dict` save and restore the histories for an exact
-resume. Histories are per rank (amaxes are not reduced over data-parallel replicas).
-
-Call `apply_fp8` after `tensor_parallelize` / building MoE layers with a ParallelState (those
-rebuild experts) and before `DataParallel`. Tensor-parallel linear layers are not supported yet
-(clear error). Delayed scaling is not recompute-safe: a recomputed forward would update the
-history a second time (tensorwise and blockwise are stateless and safe).
-
-Backend "te" (Transformer Engine, CUDA) runs `te.Linear` / `te.GroupedLinear` under TE's autocast
-with the translated recipe, sharing this module's parameters; TE then keeps its own scaling state
-(our history is unused) and its own numerics.
+Design notes: docs/fp8.md (`moetron/precision/fp8_modules.py`).
 """
 
 from __future__ import annotations
@@ -44,8 +19,9 @@ from torch import nn
 from moetron.moe.experts import GroupedExperts
 from moetron.moe.layer import MoELayer
 from moetron.ops import swiglu
-from moetron.precision.fp8 import (ROLES, FP8Recipe, fp8_grouped_linear, fp8_linear, get_fp8_recipe,
-                                   module_backend)
+from moetron.precision.fp8 import ROLES, FP8Recipe, get_fp8_recipe
+from moetron.precision.fp8_matmul import fp8_grouped_linear, fp8_linear, module_backend
+from moetron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 HISTORY = "fp8_amax_history"
 
@@ -157,8 +133,6 @@ def apply_fp8(model: nn.Module, recipe: FP8Recipe | str, *, exclude: Iterable[st
     `recipe`: an FP8Recipe or a name ("tensorwise", "delayed", "blockwise"). `exclude`: fnmatch
     patterns of module names (as in `named_modules()`) to keep in high precision.
     """
-    from moetron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
     recipe = get_fp8_recipe(recipe)
     module_backend(recipe)  # a named backend that cannot run here fails now, not at the first step
     patterns = list(exclude)

@@ -1,4 +1,4 @@
-"""Recipes: named Python functions that return a complete, validated training setup.
+"""Recipes: the shipped runs, as editable TOML files (recipes/*.toml).
 
     moetron recipes                      # list them
     moetron train --recipe qwen3-moe-tiny --set train.steps=20
@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
+from moetron.config import Recipe, apply_overrides
 from moetron.recipes.catalog import RECIPES, get_recipe
-from moetron.recipes.recipe import Recipe, apply_overrides
 
 __all__ = ["RECIPES", "Recipe", "apply_overrides", "get_recipe"]

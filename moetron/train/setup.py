@@ -20,8 +20,18 @@ import torch
 from torch import nn
 
 from moetron.model.model import MoETransformer
+from moetron.model.parallelize import parallelize
+from moetron.ops import set_fusion
+from moetron.optim import DistributedOptimizer, ReplicatedAdamW
+from moetron.parallel.data_parallel import DataParallel
+from moetron.pipeline.runtime import sync_shared_parameters
+from moetron.pipeline.stage import parameter_key, pipeline_stages, shared_parameter_ranks
+from moetron.precision import apply_fp8, get_fp8_recipe
 from moetron.parallel import ParallelState, init_from_env, validate_for_model
-from moetron.recipes.recipe import Recipe
+from moetron.config import Recipe
+from moetron.data.builtin import BYTE_VOCAB
+from moetron.data.prepare import is_prepared
+from moetron.train.metrics import require_tensorboard
 
 
 @dataclass
@@ -45,6 +55,22 @@ class TrainingRun:
         return self.ps.dp.rank, self.ps.dp.size
 
 
+def check_run_inputs(recipe: Recipe) -> None:
+    """What the pure configs cannot check: the data folder exists and was prepared, and the
+    optional packages the recipe asks for are installed."""
+    t = recipe.train
+    if t.data == "builtin" and recipe.model.vocab_size < BYTE_VOCAB:
+        raise ValueError(f"model.vocab_size={recipe.model.vocab_size}: the built-in byte data needs >= {BYTE_VOCAB}")
+    if t.data != "builtin" and not is_prepared(t.data):
+        raise ValueError(f"train.data={t.data!r}: not 'builtin' nor a folder made by "
+                         "`moetron data prepare INPUT... --tokenizer tokenizer.json --output FOLDER`")
+    if t.tensorboard_dir:
+        try:
+            require_tensorboard()
+        except ImportError as exc:
+            raise ValueError(str(exc)) from None
+
+
 def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
     """AdamW; norms, biases and other 1-D parameters get no weight decay. On a GPU, torch's fused
     kernel (one pass instead of several foreach ops); on the CPU torch's default."""
@@ -66,22 +92,11 @@ def _check_layout(recipe: Recipe, ps: ParallelState) -> None:
 
 
 def _pipeline(recipe: Recipe, model: MoETransformer, ps: ParallelState, log):
-    from moetron.model.size import pipeline_item_costs
-    from moetron.pipeline import balanced_layout, build_schedule, parse_layout
-    from moetron.pipeline.runtime import sync_shared_parameters
-    from moetron.pipeline.stage import build_stage_modules, parameter_key, shared_parameter_ranks
-
-    p, c = recipe.parallel, recipe.model
-    vpp = p.vpp if p.schedule == "interleaved" else None
-    schedule = build_schedule(p.schedule, pp=p.pp, microbatches=recipe.train.grad_accum, vpp=vpp)
-    # Without a layout string, balance the stages by the training FLOPs of each item.
-    text = p.layout or balanced_layout(pipeline_item_costs(c, recipe.train.seq_len), pp=p.pp,
-                                       vpp=schedule.num_stages // p.pp)
-    layout = parse_layout(text, num_layers=c.num_layers, mtp_layers=c.num_mtp_layers, pp=p.pp,
-                          vpp=schedule.num_stages // p.pp)
+    p = recipe.parallel
+    schedule, layout, stages = pipeline_stages(model, ps, p, microbatches=recipe.train.grad_accum,
+                                               seq_len=recipe.train.seq_len)
     if ps.rank == 0:
-        log(f"pipeline {p.schedule} over pp={p.pp}, layout {text!r}:\n{layout.table()}")
-    stages = build_stage_modules(model, layout, schedule, ps.pp.rank)
+        log(f"pipeline {p.schedule} over pp={p.pp}, layout {layout.text!r}:\n{layout.table()}")
     sync_shared_parameters(schedule, stages, group=ps.pp)
     # Parameters held by several PP ranks (the embedding on the E, MTP and tied-head stages)
     # count once in the global gradient norm: on their lowest holder.
@@ -100,8 +115,6 @@ def _apply_fp8(model: MoETransformer, t) -> None:
         raise ValueError("train.fp8=delayed with recomputation: the recomputed forward would update the amax "
                          "history twice; use train.fp8=tensorwise or blockwise, or turn recomputation off")
     if t.fp8:
-        from moetron.precision import apply_fp8, get_fp8_recipe
-
         apply_fp8(model, get_fp8_recipe(t.fp8, backend=t.fp8_backend))
 
 
@@ -150,8 +163,6 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
         raise ValueError(f"train.dtype={t.dtype} needs parallel.distributed_optimizer=true: it keeps the fp32 "
                          "master weights that low-precision parameters need")
     device = resolve_device(t.device)
-    from moetron.ops import set_fusion
-
     set_fusion(t.fusion)  # process-wide: RMSNorm, SwiGLU, RoPE, cross-entropy
     ps = init_from_env(p)
     torch.manual_seed(t.seed)
@@ -161,20 +172,9 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
         _to_device(model, device, dtype)
         return TrainingRun(recipe, ps, model, build_optimizer(model, recipe), device=device)
 
-    from moetron.optim import DistributedOptimizer, ReplicatedAdamW
-    from moetron.parallel.data_parallel import DataParallel
-    from moetron.parallel.parallelize import expert_parallelize, tensor_parallelize
-
     if ps.world_size > 1:
         _check_layout(recipe, ps)
-        if ps.tp.size > 1:
-            tensor_parallelize(model, ps, moe_dispatcher=p.dispatcher, flex_backend=p.flex_backend)
-        else:
-            expert_parallelize(model, ps, p.dispatcher, flex_backend=p.flex_backend)
-        if ps.cp.size > 1:  # after tensor_parallelize, which replaces the model's class
-            from moetron.parallel.context_parallel import context_parallelize
-
-            context_parallelize(model, ps)
+        parallelize(model, ps, p)
     _apply_fp8(model, t)
     _to_device(model, device, dtype)  # before the pipeline syncs shared weights over the (NCCL) group
     schedule = stages = None

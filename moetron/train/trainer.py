@@ -22,14 +22,18 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from moetron.bridge.convert import load_hf_weights, moetron_to_hf
+from moetron.data.packed import PackedBatches
+from moetron.parallel.context_parallel import split_batch
+from moetron.pipeline.runtime import run_schedule
 from moetron.model.size import model_size, training_flops_per_token
 from moetron.moe import balancing
 from moetron.parallel.state import collective_failures, init_process_group_from_env
-from moetron.recipes.recipe import Recipe
-from moetron.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from moetron.train.data import BYTE_VOCAB, TokenBatches, stdlib_corpus
-from moetron.train.progress import MetricsLogger
-from moetron.train.setup import TrainingRun, build_optimizer, build_run, resolve_device
+from moetron.config import Recipe
+from moetron.checkpoint.training import latest_checkpoint, load_checkpoint, save_checkpoint
+from moetron.data.builtin import TokenBatches, stdlib_corpus
+from moetron.train.metrics import MetricsLogger
+from moetron.train.setup import TrainingRun, build_optimizer, build_run, check_run_inputs, resolve_device
 
 __all__ = ["train", "build_optimizer"]
 
@@ -37,16 +41,13 @@ __all__ = ["train", "build_optimizer"]
 def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
     """Run `recipe` and return the per-step metrics (also written to `train.metrics_file`)."""
     t = recipe.train
-    if recipe.model.vocab_size < BYTE_VOCAB and t.data == "builtin":
-        raise ValueError(f"model.vocab_size={recipe.model.vocab_size}: the built-in byte data needs >= {BYTE_VOCAB}")
+    check_run_inputs(recipe)
     run, hint = _start(recipe, log)
     say = log if run.is_main else (lambda s: None)
     dp = run.data_rank[1]
     if t.data == "builtin":
         data = TokenBatches(stdlib_corpus(), t.seq_len, t.micro_batch_size, t.seed)
     else:
-        from moetron.data.packed import PackedBatches
-
         data = PackedBatches(t.data, t.seq_len, t.micro_batch_size, t.seed, micro_batches_per_step=t.grad_accum * dp,
                              mask_boundary_labels=t.data_mask_boundary, model_vocab_size=recipe.model.vocab_size)
         say(data.describe())
@@ -61,8 +62,6 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
         start = load_checkpoint(folder, run.model, run.optimizer, parallel_state=run.ps, modules=run.stages)
         say(f"resumed from {folder} after step {start}")
     elif t.init_hf:
-        from moetron.bridge.convert import load_hf_weights
-
         load_hf_weights(t.init_hf, run.model, run.optimizer, parallel_state=run.ps, modules=run.stages)
         say(f"initialised from the Hugging Face checkpoint {t.init_hf}")
     logger = MetricsLogger(t.steps, start_step=start, log_every=t.log_every, metrics_file=t.metrics_file,
@@ -124,8 +123,6 @@ def _guard(run: TrainingRun, hint: str, step: int):
 
 def _export_hf(run: TrainingRun, t, say) -> None:
     """Write the final checkpoint as a Hugging Face folder (rank 0, after every rank has saved)."""
-    from moetron.bridge.convert import moetron_to_hf
-
     if run.is_main:
         moetron_to_hf(latest_checkpoint(t.save_dir), t.export_hf, overwrite=True, progress=False)
         say(f"exported {t.export_hf}")
@@ -140,12 +137,8 @@ def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[
     batches = [tuple(x.to(run.device, non_blocking=True) for x in data.batch(step, m * dp + rank))
                for m in range(t.grad_accum)]
     if run.schedule is not None:
-        from moetron.pipeline.runtime import run_schedule
-
         tokens = sum(int((y != -100).sum()) for _, y in batches)  # the whole sequences' labels
         if run.ps.cp.size > 1:  # this rank's chunks; the stages' losses are CP-reduced (as the model's)
-            from moetron.parallel.context_parallel import split_batch
-
             batches = [split_batch(run.ps.cp, x, labels=y) for x, y in batches]
         with run.ddp.no_sync():
             result = run_schedule(run.schedule, run.stages, batches, group=run.ps.pp,
@@ -163,8 +156,6 @@ def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[
         sync = contextlib.nullcontext() if run.ddp is None or last else run.ddp.no_sync()
         with sync:
             if run.ps.cp.size > 1:  # this rank's load-balanced chunks of the sequences
-                from moetron.parallel.context_parallel import split_batch
-
                 out = run.model(**split_batch(run.ps.cp, inputs, labels=labels))
             else:
                 out = run.model(inputs, labels=labels)

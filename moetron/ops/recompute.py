@@ -1,67 +1,12 @@
 """Selective activation recomputation: what a decoder layer keeps for backward, and how the rest
 is rebuilt there.
 
-    cfg = ModelConfig(..., recompute_modules=["moe_act", "layernorm"], recompute_every_n_layers=4)
-    model = MoETransformer(cfg)                    # or later: set_recompute(model, [...], 4)
-
-Options (`ModelConfig.recompute_modules`, the names Megatron-Core uses):
-
-checkpointed: `core_attn` (the attention core, softmax(qk^T)v), `mlp` (dense MLP layers), `moe`
-  (the whole MoE block: router, dispatch, experts, combine, shared experts), `shared_experts`.
-  The piece runs under `torch.utils.checkpoint` (non-reentrant): only its inputs are saved and its
-  forward is re-run in backward when the first of its activations is needed.
-output-discarding: `moe_act` (the SwiGLU between the experts' two grouped GEMMs), `layernorm` (the
-  two RMSNorms of each decoder layer), `mla_up_proj` (MLA's q/kv up-projections and the query
-  RoPE, whose outputs q, k, v feed the attention core). These pieces are cheap to recompute and
-  their outputs are big: without recompute an activation is stored twice, once inside the piece
-  (e.g. RMSNorm keeps its input and its normalised value, SwiGLU its inputs and silu(gate)) and
-  once more by the consumer that saves the piece's output (the next GEMM keeps its input). With
-  the option the piece keeps only its inputs, and the consumer's copy of the output is freed: the
-  activation is held once.
-`recompute_every_n_layers = n` (n > 0) recomputes every n-th decoder layer whole (layers n-1,
-  2n-1, ...; MTP layers count after the main ones): one checkpoint around the layer, holding only
-  its input; the selective options are then moot inside that layer.
-
-Mechanism of output discarding (`discard_output`): a small non-reentrant checkpoint of our own,
-built on saved-tensor hooks, whose output is discardable too.
-1. The piece runs normally (with autograd) under a saved-tensor hook that stores, for every
-   tensor the piece's ops save, only a handle `(frame, index)`; the frame keeps the piece's
-   inputs (as autograd SavedTensors, so outer hooks see them) and the function.
-2. Its outputs are registered by storage (a weak reference: the entry dies with the storage).
-3. The consumer runs under `saved_outputs()`, a saved-tensor hook that replaces any saved tensor
-   whose storage is a registered output (the output itself or a view of it) by a handle
-   `(frame, output index, size, stride, offset)`; all other tensors pass through unchanged (to the
-   next hook out, if any: activation offloading or the activation meter keep working).
-   Nothing else references the output once the forward has moved on, so its memory is freed.
-4. In backward the first handle unpacked (normally the consumer's copy of the output: the
-   consumer's backward runs first) re-runs the piece once, under `enable_grad` and a hook that
-   collects what its ops save, in order; the consumer gets the output rebuilt with its view
-   (`as_strided`), the piece's own backward nodes get their saved tensors, each released after
-   use. The recompute is cached per autograd graph task, so a split backward (input gradients
-   first, weight gradients in a later `autograd.backward`, pipeline/runtime.py) recomputes again
-   in the second task instead of failing.
-Gradients are bit-identical: the same ops run on the same inputs, and the autograd graph used in
-backward is the original one (only where saved tensors come from changes).
-
-Nesting and side effects. Inside a checkpointed or output-discarding region (its forward or its
-recompute) the selective options are plain calls (recomputing inside a recompute buys nothing),
-so a fully recomputed layer is one checkpoint; the same holds inside a torch.utils.checkpoint
-wrapped around the model by someone else (prefer `recompute_every_n_layers`: a foreign
-checkpoint's recompute would also count routed tokens twice). Code with side effects asks
-`is_recomputing()` (the MoE layer does not count routed tokens twice) and `replayed(obj, method)`
-replays, during a recompute, the results a method returned in the forward (the router's
-global-batch counts of `global_aux_loss`, whose running state and all-reduce must not run again).
-
-Where the hooks sit (every call path: `DecoderLayer.forward`, `attention_block` / `mlp_block` as the
-pipeline's "layer" pieces, the MoE stage methods as its "moe" pieces, tensor/expert parallel
-modules that replace `layer.mlp`): the decoder layer pushes its plan (`configure_layer`) into its
-current submodules at every call, and each submodule applies its own option (attention:
-`core_attn`, `mla_up_proj`; MLP: `mlp`/`shared_experts` in `MLP.__call__`, so tensor-parallel
-MLPs are covered; experts: `moe_act`; norms: `layernorm`). The whole-MoE `moe` checkpoint wraps
-`layer.mlp(x)` in `mlp_block`; when a pipeline runs the MoE as separate pieces, `moe` checkpoints
-its compute stages one by one (route, experts, shared experts) and never re-runs the dispatch or
-combine communication; a fully recomputed layer run as pieces checkpoints its attention block and
-uses `moe` + `layernorm` for the MoE pieces.
+Two kinds of option (Megatron-Core's names, `ModelConfig.recompute_modules`): *checkpointed*
+pieces run under a non-reentrant checkpoint; *output-discarding* pieces keep only their inputs and
+their output is freed once its consumer saved it, then rebuilt in backward (held once, not twice).
+`recompute_every_n_layers` checkpoints whole layers. Gradients are bit-identical with and without.
+The mechanism (saved-tensor hooks, frames, per-graph-task caching) is explained in
+docs/recompute.md.
 """
 
 from __future__ import annotations
@@ -78,8 +23,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import checkpoint as _torch_checkpoint
 
-from moetron.config import RECOMPUTE_CHECKPOINTED, RECOMPUTE_MODULES, RECOMPUTE_OUTPUT_DISCARDING
-from moetron.model.norm import RMSNorm
+from moetron.ops.norm import RMSNorm
 
 try:  # torch's own checkpoint saves its inputs this way (so outer saved-tensor hooks see them)
     from torch._C._autograd import SavedTensor, _make_saved_tensor
@@ -94,9 +38,10 @@ __all__ = ["CHECKPOINTED", "OUTPUT_DISCARDING", "MODULES", "RecomputePlan", "Rec
            "checkpoint", "discard_output", "saved_outputs", "is_recomputing", "in_region", "replayed",
            "configure_layer", "set_recompute"]
 
-CHECKPOINTED = RECOMPUTE_CHECKPOINTED
-OUTPUT_DISCARDING = RECOMPUTE_OUTPUT_DISCARDING
-MODULES = RECOMPUTE_MODULES
+# Pieces run under a checkpoint, and pieces whose output is discarded once its consumer saved it.
+CHECKPOINTED = ("core_attn", "mlp", "moe", "shared_experts")
+OUTPUT_DISCARDING = ("moe_act", "layernorm", "mla_up_proj")
+MODULES = CHECKPOINTED + OUTPUT_DISCARDING
 
 
 # ------------------------------------------------------------------------------ the plan

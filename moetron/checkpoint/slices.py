@@ -1,20 +1,6 @@
 """Regions of tensors in safetensors files: read exactly a box, write files as a stream.
 
-A *box* is `(offsets, sizes)`, one entry per dimension: the block
-`t[o0:o0+s0, o1:o1+s1, ...]`. Checkpoints and conversions move boxes, never whole models.
-
-Reading (`SafetensorsFile`): the header is parsed and validated against the file first (a
-truncated file, a header that lies about shapes or offsets, overlapping tensors or an unknown
-dtype fail with the file and key named). `read(key, offsets, sizes)` then fetches just that box
-with positional reads (`os.preadv`) straight into the result tensor: one read when the box is
-contiguous in the file, one per contiguous run otherwise. Memory-mapping would touch the same
-bytes, but every mapped page counts as resident memory until the file is unmapped, so a pass
-over a 5 GB shard would show 5 GB resident; positional reads leave only the copy asked for.
-
-Writing (`write_safetensors`): every entry's key, dtype and shape are known before any data,
-so the header is written first and each tensor is produced (read, cast, quantized) just before
-its bytes go to disk, in row-chunks if it is large. Peak memory is one chunk, not one file;
-safetensors' own `save_file` would hold the whole file plus a byte copy of it.
+Design notes: docs/checkpoints.md (`moetron/checkpoint/slices.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +15,12 @@ from pathlib import Path
 
 import torch
 
-from moetron.bridge.safetensors_io import CheckpointError
+
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or key is missing, corrupt or inconsistent."""
+
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

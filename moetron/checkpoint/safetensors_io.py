@@ -18,12 +18,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moetron.checkpoint.slices import CheckpointError, parse_header
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file or key is missing, corrupt or inconsistent."""
 
 
 def read_header(path: Path) -> dict:
@@ -31,8 +29,6 @@ def read_header(path: Path) -> dict:
 
     The validation (truncation, sizes, offsets, overlaps) lives in `slices.parse_header`.
     """
-    from moetron.bridge.slices import parse_header
-
     tensors, _ = parse_header(Path(path))
     return {key: (info.dtype, list(info.shape)) for key, info in tensors.items()}
 

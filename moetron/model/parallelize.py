@@ -5,57 +5,36 @@
     tensor_parallelize(model, ps)                     # now this rank's shards; same numerics
     out = model(input_ids, labels=labels)             # out.logits: [B, S, V/tp] (vocab shard)
 
-What each piece becomes (T = tokens, tp = ps.tp.size):
-- attention split by heads. GQA: q/k/v column-parallel, o row-parallel; when tp exceeds the kv
-  heads, each kv head is replicated on the tp/kv ranks that need it (the whole k/v weight stays on
-  every rank, each rank uses its head's rows, gradients are summed over TP). MLA: q_proj or
-  q_b_proj and kv_b_proj column-parallel, o_proj row-parallel; the low-rank a-projections and their
-  norms replicated and run before the TP region, so only the compressed latents cross ranks.
-- dense MLP and shared experts split on the intermediate dim (gate/up column, down row).
-- embedding and output head vocab-parallel; the LM and MTP losses use the vocab-parallel
-  cross-entropy, so full-vocabulary logits never exist on one rank.
-- norms replicated. With sequence parallel (ps.sequence_parallel) the residual stream, norms and
-  MoE layers hold this rank's S/tp positions; column-parallel layers all-gather the sequence and
-  row-parallel ones reduce-scatter it, in place of the all-reduce.
-- routed experts use expert-tensor parallelism through MoELayer(parallel_state=ps)
-  (TensorParallelMoELayer below): the router runs on the TP group's whole sequence, so capacity,
-  drops and balancing losses are exactly those of one process; each rank then dispatches only its
-  own S/tp (or, without sequence parallel, T/tp) tokens over the expert grid (ETP x EP).
-
-Replicated parameters that see only part of the work on a rank (norms under sequence parallel,
-per-head q/k norms, shared kv heads, MLA a-projections under sequence parallel) sum their
-gradients over TP inside backward (tensor_parallel.sum_grad_over_group). After backward every
-`.grad` is complete; data-parallel reduction then works on it unchanged. Sharded parameters carry
-`tensor_model_parallel=True` and `partition_dim`, like Megatron's.
+Design notes: docs/parallel.md (`moetron/model/parallelize.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetron.dispatch.routing import Routing
 from moetron.model.attention import GroupedQueryAttention, MultiLatentAttention
 from moetron.model.layer import DecoderLayer
-from moetron.model.mlp import MLP
 from moetron.model.model import IGNORE_INDEX, MoETransformer
+from moetron.model.mtp import shift_left
 from moetron.model.mtp import MTPModule
 from moetron.moe.experts import GroupedExperts
 from moetron.moe.layer import MoELayer
-from moetron.ops import swiglu
 from moetron.parallel import comm
 from moetron.parallel.config import ParallelConfig, validate_for_model
 from moetron.parallel.state import Group, ParallelState
-from moetron.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                              all_gather_linear, column_parallel_forward, keep_own_slice_grad,
-                                              sum_grad_over_group, vocab_parallel_cross_entropy)
+from moetron.moe.router import TopKRouter
+from moetron.moe.tensor_parallel import TensorParallelMoELayer
+from moetron.parallel.context_parallel import cp_reduce_loss, gather_from_cp, local_positions, split_for_cp
+from moetron.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, all_gather_linear,
+                                              column_parallel_forward, parallelize_mlp, sum_grad_over_group)
+from moetron.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["expert_parallelize", "tensor_parallelize", "unshard_tensors", "TensorParallelMoELayer", "TensorParallelMoEState",
-           "TensorParallelMoETransformer"]
+__all__ = ["ContextParallelModel", "context_parallelize", "parallelize", "expert_parallelize", "tensor_parallelize",
+           "unshard_tensors", "TensorParallelMoETransformer"]
 
 
 # ---- the modules a sharded model is made of ---------------------------------------------------
@@ -101,157 +80,6 @@ class TensorParallelMLA(MultiLatentAttention):
             both = comm.all_gather(torch.cat([latent, k_rot], dim=-1), self.tp_group, -2)
             return both.split([latent.shape[-1], k_rot.shape[-1]], dim=-1)
         return comm.copy_to_group(latent, self.tp_group), comm.copy_to_group(k_rot, self.tp_group)
-
-
-class TensorParallelMLP(MLP):
-    """SwiGLU MLP split on the intermediate dim (gate/up column-parallel, down row-parallel)."""
-
-    def forward(self, x: torch.Tensor, *, input_entered: bool = False) -> torch.Tensor:
-        gate, up = column_parallel_forward(x, [self.gate_proj, self.up_proj], input_entered=input_entered)
-        return self.down_proj(swiglu(gate, up))
-
-
-def _parallelize_mlp(mlp: MLP, tp: Group, sp: bool, chunks: int) -> MLP:
-    kw = dict(sequence_parallel=sp, overlap_chunks=chunks)
-    mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, tp, **kw)
-    mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, tp, **kw)
-    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp, **kw)
-    mlp.__class__ = TensorParallelMLP
-    return mlp
-
-
-@dataclass
-class TensorParallelMoEState:
-    """What TensorParallelMoELayer.tp_output needs from tp_route."""
-
-    shape: torch.Size  # of the layer input
-    x_BSH: torch.Tensor  # the layer input as [B, S or S/tp, H]
-    x_full: torch.Tensor  # the TP group's tokens [B, S, H] (gathered under sequence parallel)
-
-
-class TensorParallelMoELayer(MoELayer):
-    """MoELayer inside a tensor-parallel model.
-
-    Input and output are in the residual stream's layout: this rank's sequence shard under sequence
-    parallel, the replicated tokens otherwise. The router runs on every token of the TP group
-    (replicated computation, so routing, capacity drops and balancing losses equal one process);
-    the routed experts (sharded over ETP x EP by MoELayer) receive only this rank's tokens; shared
-    experts are a tensor-parallel MLP. Build it with `from_moe_layer` (or tensor_parallelize).
-
-    Stages for a schedule that runs them apart (forward chains them): `tp_route(x)` ->
-    `dispatch` -> `compute_experts` -> `combine` (MoELayer's, on this rank's tokens) ->
-    `tp_output(out, state)`; `tp_shared(state)` computes the shared experts on their own.
-    MoELayer's `route` alone would route only this rank's tokens.
-    """
-
-    tp_group: Group
-    sequence_parallel: bool
-
-    @classmethod
-    @torch.no_grad()
-    def from_moe_layer(cls, layer: MoELayer, parallel_state: ParallelState, dispatcher: str | None = None, *,
-                       overlap_chunks: int = 1, flex_backend: str = "torch") -> TensorParallelMoELayer:
-        """The same layer (router, expert bias, shared experts reused) with experts resharded for
-        `parallel_state`'s expert grid. Collective when `layer`'s experts are themselves sharded."""
-        gate_up, down = layer.experts.full_expert_weights()
-        pad_multiple = getattr(layer.dispatcher, "pad_multiple", 1)
-        with torch.device(gate_up.device):
-            new = cls(layer.config, dispatcher, parallel_state=parallel_state, pad_multiple=pad_multiple,
-                      flex_backend=flex_backend)
-        new.experts.to(gate_up.dtype)
-        new.experts.load_full_experts(gate_up, down)
-        tp, sp = parallel_state.tp, parallel_state.sequence_parallel
-        new.tp_group, new.sequence_parallel = tp, sp
-        new.router = layer.router
-        new.pending_counts.copy_(layer.pending_counts)
-        new.shared_experts = layer.shared_experts
-        if new.shared_experts is not None:
-            _parallelize_mlp(new.shared_experts, tp, sp, overlap_chunks)
-        new.shared_expert_gate = layer.shared_expert_gate
-        if new.shared_expert_gate is not None and sp:
-            sum_grad_over_group(new.shared_expert_gate.weight, tp)  # applied to this rank's tokens
-        new.train(layer.training)
-        return new
-
-    def _local_routing(self, routing: Routing, B: int, S: int) -> Routing:
-        """This rank's tokens of a routing of the group's tokens ([B,S] order), as a Routing.
-        The weights go through comm.split, so every rank's router gets the full gradient."""
-        tp, k = self.tp_group, routing.top_k
-        if self.sequence_parallel:
-            idx = routing.topk_idx.view(B, S, k).chunk(tp.size, dim=1)[tp.rank].reshape(-1, k)
-            weights = comm.split(routing.topk_weights.view(B, S, k), tp, 1).reshape(-1, k)
-        else:
-            idx = routing.topk_idx.chunk(tp.size, dim=0)[tp.rank]
-            weights = comm.split(routing.topk_weights, tp, 0)
-        return Routing.from_topk(idx, weights, routing.num_experts, routing.capacity, routing.dropless)
-
-    def _shared_output(self, x_BSH: torch.Tensor, x_full: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:  # x_full is already gathered: straight to the GEMMs
-            out = self.shared_experts(x_full, input_entered=True)
-        else:
-            out = self.shared_experts(x_full)
-        if self.shared_expert_gate is not None:
-            out = torch.sigmoid(self.shared_expert_gate(x_BSH)) * out
-        return out
-
-    def shared(self, x: torch.Tensor) -> torch.Tensor:
-        """Shared-expert output for the layer input `x`, in the same layout."""
-        x_full = comm.all_gather(x, self.tp_group, -2) if self.sequence_parallel else x
-        return self._shared_output(x, x_full)
-
-    # --- stages: tp_route -> dispatch -> compute_experts -> combine -> tp_output ------------
-    def tp_route(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing, TensorParallelMoEState]:
-        """Route the TP group's tokens; return this rank's tokens `[T_local,H]` to dispatch, their
-        Routing, and the state `tp_output` needs. `x` is the layer input (residual layout)."""
-        shape, H = x.shape, self.config.hidden_size
-        if shape[-1] != H:
-            raise ValueError(f"MoELayer expects x[..., {H}], got shape {tuple(shape)}")
-        x_BSH = x.reshape(-1, shape[-2], H) if x.dim() >= 3 else x.reshape(1, -1, H)
-        tp = self.tp_group
-        if self.sequence_parallel:
-            x_full = comm.all_gather(x_BSH, tp, 1)  # one gather for the router and shared experts
-            router_in = keep_own_slice_grad(x_full, tp, 1)  # replicated router: count each slice once
-            x_local_TH = x_BSH.reshape(-1, H)
-        else:
-            x_full = router_in = x_BSH
-            T = x_BSH.shape[0] * x_BSH.shape[1]
-            if T % tp.size:
-                raise ValueError(f"tensor parallel MoE without sequence parallel splits the {T} tokens over "
-                                 f"tp={tp.size} ranks for the routed experts; use a batch*sequence divisible "
-                                 f"by tp, or sequence parallel")
-            x_local_TH = comm.split(x_BSH.reshape(-1, H), tp, 0)
-        B, S = x_full.shape[:2]
-        routing = self._local_routing(self.route(router_in.reshape(-1, H), S), B, S)
-        return x_local_TH, routing, TensorParallelMoEState(shape, x_BSH, x_full)
-
-    def tp_shared(self, state: TensorParallelMoEState) -> torch.Tensor | None:
-        """The shared experts' output for the routed tokens (None without shared experts)."""
-        return None if self.shared_experts is None else self._shared_output(state.x_BSH, state.x_full)
-
-    def tp_output(self, out_TH: torch.Tensor, state: TensorParallelMoEState,
-                  shared: torch.Tensor | None = None) -> torch.Tensor:
-        """Combined routed output of this rank's tokens (+ shared, computed here when not given)
-        back in the layer input's layout and shape."""
-        x_BSH = state.x_BSH
-        if self.sequence_parallel:
-            out = out_TH.view(x_BSH.shape)
-        else:  # every rank's consumer of the gathered output is identical
-            out = comm.all_gather(out_TH, self.tp_group, 0, reduce_grad=False).view(x_BSH.shape)
-        if self.shared_experts is not None:
-            out = out + (self.tp_shared(state) if shared is None else shared)
-        return out.view(state.shape)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_TH, routing, state = self.tp_route(x)
-        shared = None
-        if self.shared_experts is not None and hasattr(self.dispatcher, "dispatch_start"):
-            pending = self.dispatcher.dispatch_start(x_TH, routing)  # shared experts overlap it
-            shared = self.tp_shared(state)
-            x_NH, rows_per_expert, handle = self.dispatcher.dispatch_finish(pending)
-        else:
-            x_NH, rows_per_expert, handle = self.dispatch(x_TH, routing)
-        out_TH = self.combine(self.compute_experts(x_NH, rows_per_expert), handle)
-        return self.tp_output(out_TH, state, shared)
 
 
 # ---- tensor_parallelize ---------------------------------------------------------------------
@@ -345,7 +173,7 @@ def tensor_parallelize(model: MoETransformer, parallel_state: ParallelState, *, 
                                                               overlap_chunks=overlap_chunks,
                                                               flex_backend=flex_backend)
         else:
-            _parallelize_mlp(layer.mlp, tp, sp, overlap_chunks)
+            parallelize_mlp(layer.mlp, tp, sp, overlap_chunks)
         sp_replicated += [layer.input_layernorm, layer.post_attention_layernorm]
     for mtp in model.modules():
         if isinstance(mtp, MTPModule):
@@ -424,4 +252,97 @@ def expert_parallelize(model: MoETransformer, parallel_state: ParallelState, dis
         new.router, new.shared_experts, new.shared_expert_gate = old.router, old.shared_experts, old.shared_expert_gate
         new.train(old.training)
         layer.mlp = new
+    return model
+
+
+# ---- context parallel ------------------------------------------------------------------------
+
+
+class ContextParallelModel:
+    """Mixin over the model's class (set by context_parallelize): global positions by default, CP-
+    reduced losses, and MTP label shifts across chunk borders. Every CP rank must call forward."""
+
+    cp_group: Group
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, **kwargs):
+        cp = self.cp_group
+        S_local = input_ids.shape[1]
+        if S_local % 2:
+            raise ValueError(f"context parallel: this rank holds {S_local} positions; it must hold two equal "
+                             f"chunks (use split_batch on sequences divisible by 2*cp = {2 * cp.size})")
+        if position_ids is None:
+            position_ids = local_positions(S_local * cp.size, cp.size, cp.rank, input_ids.device).unsqueeze(0)
+        return super().forward(input_ids, labels=labels, position_ids=position_ids, **kwargs)
+
+    def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        loss, count = super().lm_loss(logits, labels)
+        return cp_reduce_loss(loss, count, self.cp_group)
+
+    def shift_labels(self, labels: torch.Tensor, k: int) -> torch.Tensor:
+        """`labels[:, i+k]` of the whole sequence at each local position i (IGNORE past the end)."""
+        if k == 0:
+            return labels
+        cp = self.cp_group
+        full = gather_from_cp(labels, cp, dim=1)
+        return split_for_cp(shift_left(full, k, IGNORE_INDEX), cp.size, cp.rank)
+
+
+_cp_classes: dict[type, type] = {}
+
+
+def _context_parallel_class(base: type) -> type:
+    if base not in _cp_classes:
+        name = f"ContextParallel{base.__name__}"
+        cls = type(name, (ContextParallelModel, base), {"__module__": __name__, "__doc__": base.__doc__})
+        globals()[name] = _cp_classes[base] = cls  # importable by name (pickle)
+    return _cp_classes[base]
+
+
+def context_parallelize(model, parallel_state: ParallelState):
+    """Make `model` (a MoETransformer, possibly tensor-parallel already) run on this CP rank's part
+    of each sequence, in place; returns it. With cp=1 the model is returned as is.
+
+    Every attention module and router gets `cp_group`; the model's class gains ContextParallelModel. Call it
+    after tensor_parallelize (which replaces the model's class). Feed it `split_batch` outputs.
+    """
+    cp = parallel_state.cp
+    if cp.size == 1:
+        return model
+    if isinstance(model, ContextParallelModel):
+        raise ValueError("this model is already context-parallel")
+    if model.config.num_mtp_layers and not hasattr(type(model), "shift_labels"):
+        raise NotImplementedError(
+            f"context parallel with multi-token prediction (num_mtp_layers={model.config.num_mtp_layers}) "
+            f"needs {type(model).__name__}._mtp_loss to shift labels through a `shift_labels(labels, k)` "
+            f"method (MTP labels cross chunk borders); use num_mtp_layers=0 or cp=1 until it does")
+    attention = [m for m in model.modules() if isinstance(m, (GroupedQueryAttention, MultiLatentAttention))]
+    if not attention:
+        raise ValueError(f"context_parallelize: {type(model).__name__} has no attention modules")
+    for m in attention:
+        m.cp_group = cp
+    for router in model.modules():  # balancing losses over the whole sequences (see "Balancing losses")
+        if isinstance(router, TopKRouter):
+            router.cp_group = cp
+    model.__class__ = _context_parallel_class(type(model))
+    model.cp_group = cp
+    return model
+
+
+# ---- the entry point -------------------------------------------------------------------------
+
+
+def parallelize(model: MoETransformer, parallel_state: ParallelState, parallel: ParallelConfig) -> MoETransformer:
+    """Shard a built model in place for this rank: tensor (+ sequence) parallel or expert parallel,
+    then context parallel. The trainer and `moetron convert` both shard through here (pipeline
+    stages are cut afterwards by `moetron.pipeline.stage.pipeline_stages`)."""
+    ps, p = parallel_state, parallel
+    if ps.world_size == 1:
+        return model
+    if ps.tp.size > 1:
+        tensor_parallelize(model, ps, moe_dispatcher=p.dispatcher, flex_backend=p.flex_backend)
+    else:
+        expert_parallelize(model, ps, p.dispatcher, flex_backend=p.flex_backend)
+    if ps.cp.size > 1:  # after tensor_parallelize, which replaces the model's class
+        context_parallelize(model, ps)
     return model

@@ -1,40 +1,6 @@
 """A layout-independent sharded tensor store: every rank writes its slices, any layout reads them.
 
-Why this format. A checkpoint saved under one layout (say ep2 x pp2) must load under another
-(one process, pp2, tp2 ...), and a 671B model must never be gathered on one rank to do so. So
-tensors are stored by their FULL parameter name, in pieces ("boxes") that carry their global
-offsets: a rank writes exactly the region its local shard covers, and a loader under any layout
-reads exactly the region it needs, wherever it was written. There is no re-sharding step and no
-layout-specific file; the files are plain safetensors readable by any tool.
-
-    folder/meta.json                   written last, by rank 0 (files, global shapes, step, ...)
-    folder/model.safetensors           one process: whole tensors, keyed by name
-    folder/model-RRRRR-CCC.safetensors several processes: rank RRRRR's files (CCC: size chunks)
-    folder/optimizer*.safetensors      the same for optimizer slots (`exp_avg`, `exp_avg_sq`, ...)
-
-Keys: `name` is the whole tensor; `name@o0,o1,...` is the box of `name` at global offsets
-`(o0, o1, ...)` whose sizes are the stored tensor's shape. Optimizer keys add the slot before the
-`@`: `layers.1.mlp.experts.gate_up_proj.exp_avg@4,0,0`.
-
-How a local shard maps to the full tensor (`Placement`): a list of `(local box -> global box)`
-pieces. Replicated tensors: one identity piece. TP-sharded (`tensor_model_parallel`,
-`partition_dim`): one piece at `tp.rank * local size` along that dim. Experts: dim 0 holds the
-EP rank's experts; under ETP the gate and up halves of `gate_up_proj` are split separately, so
-that tensor has two pieces (gate rows and up rows land in different places of the full tensor).
-
-Who writes what (`plan_writes`): every rank describes what it holds (name, placement, and for
-ZeRO-1 optimizer state the flat range of the local tensor it owns); the descriptions are
-exchanged (metadata only) and the same deterministic rule runs on every rank. A replicated
-region is written by one of its holders (spread round-robin over tensors), so stored boxes never
-overlap, and the union of the boxes is checked to cover every tensor exactly. A ZeRO-1 flat
-range is written as the <= 2*ndim-1 boxes it decomposes into (`flat_range_boxes`), so optimizer
-moments (and fp32 master weights) are re-sharded across DP, TP, EP and PP changes like weights.
-
-Commit (`commit_folder`): rank 0 makes a temporary folder beside the target; every rank writes
-into it; the ranks exchange success or the error; only when all succeeded rank 0 writes
-`meta.json` and renames the folder into place. A failure on any rank removes the temporary folder
-and raises on every rank (naming the rank); a crash leaves only a `.NAME.partial-*` folder that
-nothing reads. All ranks must see one file system (one machine, or a shared one).
+Design notes: docs/checkpoints.md (`moetron/checkpoint/sharded.py`).
 """
 
 from __future__ import annotations
@@ -51,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetron.bridge.safetensors_io import CheckpointError
-from moetron.bridge.slices import (DTYPE_NAMES, DTYPES, Box, Entry, SafetensorsFile, flat_range_boxes, intersect,
+from moetron.checkpoint.safetensors_io import CheckpointError
+from moetron.moe.experts import GroupedExperts
+from moetron.checkpoint.slices import (DTYPE_NAMES, DTYPES, Box, Entry, SafetensorsFile, flat_range_boxes, intersect,
                                    numel, relative, split_rows, write_safetensors)
 
 FORMAT = "moetron-sharded"
@@ -100,8 +67,6 @@ class LocalTensor:
 
 def placement_of(owner: nn.Module, leaf: str, tensor: torch.Tensor, tp_rank: int, tp_size: int) -> Placement:
     """How `owner.<leaf>` (this rank's shard) sits in the full tensor."""
-    from moetron.moe.experts import GroupedExperts  # lazy: moe imports parallel
-
     shape = tuple(tensor.shape)
     if isinstance(owner, GroupedExperts) and leaf in ("gate_up_proj", "down_proj"):
         e0, n_e = owner.local_experts.start, owner.num_local_experts

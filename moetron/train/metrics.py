@@ -1,8 +1,6 @@
-"""What a person watching a run sees: a progress bar on a terminal, log lines, TensorBoard.
+"""A run's metrics: log lines, the JSON-lines metrics file, TensorBoard, the progress bar.
 
-`ProgressBar` draws one self-overwriting line on a terminal (only when its stream is a TTY;
-otherwise it draws nothing and the caller's plain log lines are the whole output, which is
-what a log file or CI wants). `MetricsLogger` is what the trainer calls once per step with
+`MetricsLogger` is what the trainer calls once per step with
 the step's metrics dict: it writes the JSON-lines metrics file (strict JSON: a NaN or inf,
 e.g. the loss of a skipped step, is written as null), TensorBoard scalars (when
 `tensorboard_dir` is set), prints a log line every `log_every` steps above the bar, and
@@ -18,122 +16,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import sys
-import time
 from pathlib import Path
 from typing import Callable, TextIO
 
-__all__ = ["ProgressBar", "MetricsLogger", "format_metrics", "format_duration", "json_safe",
-           "require_tensorboard", "scalar_items"]
+from moetron.progress import ProgressBar
 
-
-def format_duration(seconds: float) -> str:
-    """`75 -> '1m15s'`, `4000 -> '1h06m'`: short, for ETAs."""
-    if not math.isfinite(seconds) or seconds < 0:
-        return "?"
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
-def _is_tty(stream) -> bool:
-    try:
-        return bool(stream.isatty()) and os.environ.get("TERM") != "dumb"
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
-        return False
-
-
-class ProgressBar:
-    """`[#####.....]  42%  420/1000 steps  3.1 steps/s  ETA 3m05s  loss 2.34` on one line.
-
-    Draws only when `stream` is a TTY (or `enabled=True` forces it); redraws at most every
-    `min_interval` seconds except on the final update. `write(line)` prints a line above the
-    bar without tearing it.
-    """
-
-    def __init__(self, total: float, *, initial: float = 0, unit: str = "steps", stream: TextIO | None = None,
-                 enabled: bool | None = None, min_interval: float = 0.1, width: int | None = None,
-                 scale: float = 1.0):
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = _is_tty(self.stream) if enabled is None else enabled
-        self.total, self.n, self.unit = total, initial, unit
-        self.width, self.min_interval = width, min_interval
-        self.scale = scale  # counts are shown divided by it (e.g. bytes as MB with unit="MB", scale=1e6)
-        self.postfix = ""
-        self._start_n, self._start_t = initial, time.perf_counter()
-        self._last_draw = -math.inf
-        self._drawn = False
-
-    def update(self, n: float | None = None, *, advance: float | None = None, postfix: str | None = None) -> None:
-        """Set the position to `n` (or move it by `advance`) and redraw if due."""
-        if n is not None:
-            self.n = n
-        if advance is not None:
-            self.n += advance
-        if postfix is not None:
-            self.postfix = postfix
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if now - self._last_draw >= self.min_interval or self.n >= self.total:
-            self._draw(now)
-
-    def render(self, now: float | None = None) -> str:
-        """The bar's text (no control characters), fitted to the terminal width."""
-        now = time.perf_counter() if now is None else now
-        elapsed = now - self._start_t
-        done = self.n - self._start_n
-        rate = done / elapsed / self.scale if elapsed > 0 and done > 0 else 0.0
-        frac = min(1.0, self.n / self.total) if self.total > 0 else 1.0
-        eta = (self.total - self.n) / self.scale / rate if rate > 0 else math.inf
-        rate_text = f"{rate:.2f}" if rate < 10 else f"{rate:.0f}"
-        stats = (f"{frac * 100:3.0f}%  {self._count(self.n)}/{self._count(self.total)} {self.unit}  "
-                 f"{rate_text} {self.unit}/s  "
-                 + (f"ETA {format_duration(eta)}" if self.n < self.total else f"in {format_duration(elapsed)}"))
-        if self.postfix:
-            stats += f"  {self.postfix}"
-        columns = self.width or shutil.get_terminal_size((100, 20)).columns
-        bar_len = max(10, min(40, columns - len(stats) - 4))
-        filled = int(frac * bar_len)
-        line = f"[{'#' * filled}{'.' * (bar_len - filled)}] {stats}"
-        return line[: max(columns - 1, 20)]
-
-    def _count(self, x: float) -> str:
-        return f"{x:.0f}" if self.scale == 1 else f"{x / self.scale:.1f}"
-
-    def _draw(self, now: float) -> None:
-        self.stream.write("\r\x1b[2K" + self.render(now))
-        self.stream.flush()
-        self._last_draw, self._drawn = now, True
-
-    def clear(self) -> None:
-        if self.enabled and self._drawn:
-            self.stream.write("\r\x1b[2K")
-            self.stream.flush()
-            self._drawn = False
-
-    def write(self, line: str, log: Callable[[str], None] | None = None) -> None:
-        """Print `line` (through `log`, default: to the bar's stream) above the bar."""
-        self.clear()
-        if log is None:
-            self.stream.write(line + "\n")
-            self.stream.flush()
-        else:
-            log(line)
-        if self.enabled:
-            self._draw(time.perf_counter())
-
-    def close(self) -> None:
-        """Leave the final bar on its own line."""
-        if self.enabled and self._drawn:
-            self._draw(time.perf_counter())
-            self.stream.write("\n")
-            self.stream.flush()
-            self._drawn = False
+__all__ = ["MetricsLogger", "format_metrics", "json_safe", "require_tensorboard", "scalar_items"]
 
 
 def format_metrics(m: dict, steps: int) -> str:

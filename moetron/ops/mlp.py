@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moetron.model import recompute
+from moetron.ops import recompute
 from moetron.ops import swiglu
 
 

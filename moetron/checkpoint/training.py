@@ -3,36 +3,12 @@
     save_checkpoint(root, step, model, optimizer, recipe, parallel_state=ps, modules=stages)
     load_checkpoint(latest_checkpoint(root), model, optimizer, parallel_state=ps, modules=stages)
 
-`DIR/step-00000100/` is a layout-independent store (`moetron.train.sharded_checkpoint`):
-tensors by full parameter name, each stored whole or as boxes with global offsets, so a run
-saved under ep2 x pp2 resumes under one process, pp2 or tp2 and the other way round. One process
-writes `model.safetensors` and `optimizer.safetensors` (whole tensors keyed by name, as before);
-several write `model-RRRRR-CCC.safetensors` / `optimizer-RRRRR-CCC.safetensors`, each rank only
-the region it holds, replicas once. Besides the tensors:
-
-- optimizer: AdamW moments `exp_avg`, `exp_avg_sq` (fp32 under ZeRO-1), and the fp32 `master`
-  weights where the parameter itself is not fp32 (for fp32 parameters the master IS the
-  parameter and is not stored twice). Hyper-parameters and the step count per param group go to
-  meta.json by parameter NAME, so torch's AdamW (one process) and moetron's ZeRO-1
-  DistributedOptimizer read each other's checkpoints, at any DP size.
-- step: the number of completed optimizer steps; the learning-rate schedule is a function of
-  it, and so is the data (a micro-batch is a pure function of (seed, step, index)), so the step is
-  the whole scheduler and data position.
-- RNG: every rank's torch (and CUDA) generator state in `rng.safetensors`; restored per rank when
-  the world size is unchanged, else rank 0's state everywhere.
-- FP8 delayed scaling (`train.fp8=delayed`): every rank's amax histories in `fp8[-RRRRR].safetensors`,
-  restored when the layout is unchanged (they describe that rank's shards and tokens); under
-  another layout they restart, with a warning.
-- meta.json (written last): format, files, full shapes and dtypes, step, optimizer groups, the
-  saving layout, the model config and the recipe.
-
-Nothing is pickled. A checkpoint is written to a temporary folder, renamed when every rank has
-finished, and `latest` is updated after that, so a crash never leaves a half-written checkpoint
-that looks complete. Single-process resume stays bit-identical.
+Design notes: docs/checkpoints.md (`moetron/checkpoint/training.py`).
 """
 
 from __future__ import annotations
 
+import warnings
 import dataclasses
 import json
 import os
@@ -40,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from moetron.bridge.safetensors_io import CheckpointError
-from moetron.bridge.slices import SafetensorsFile, Entry, write_safetensors
-from moetron.train.sharded_checkpoint import (
+from moetron.checkpoint.safetensors_io import CheckpointError
+from moetron.precision.fp8_modules import fp8_state_dict, load_fp8_state_dict
+from moetron.checkpoint.slices import SafetensorsFile, Entry, write_safetensors
+from moetron.checkpoint.sharded import (
     FORMAT, META, VERSION, LocalTensor, RankWriter, StoreReader, _world, agree, all_gather_object, commit_folder,
     local_tensors, plan_writes, read_local, read_local_flat, read_meta, write_flat_range, write_local_boxes,
 )
@@ -354,7 +331,6 @@ def load_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer
 
 def _fp8_state(model) -> dict[str, torch.Tensor]:
     """FP8 delayed-scaling amax histories (non-persistent buffers, so not in the state dict)."""
-    from moetron.precision.fp8_modules import fp8_state_dict
 
     return fp8_state_dict(model)
 
@@ -363,8 +339,6 @@ def _restore_fp8(folder: Path, names: list[str], saved_layout, layout, model) ->
     """Restore this rank's amax histories when the layout is unchanged; otherwise they restart
     (they are re-learned within one history length; the weights and optimizer are exact)."""
     if saved_layout != layout:
-        import warnings
-
         warnings.warn(f"{folder}: FP8 amax histories were saved under layout {saved_layout} and are not "
                       f"restored under {layout}; delayed scaling restarts from fresh histories")
         return
@@ -378,7 +352,6 @@ def _restore_fp8(folder: Path, names: list[str], saved_layout, layout, model) ->
         state = {k: f.read(k) for k in f.keys()}
     finally:
         f.close()
-    from moetron.precision.fp8_modules import load_fp8_state_dict
 
     load_fp8_state_dict(model, state)
 
