@@ -70,3 +70,14 @@ def test_library_file_is_short_and_imports_at_the_top(path):
                 assert name.startswith(OPTIONAL), (
                     f"{path.relative_to(ROOT)}:{node.lineno} imports {name} inside a function; move it to the "
                     f"top (only optional packages are imported lazily)")
+
+
+def test_public_import_paths_keep_working():
+    from moetron import MoEConfig, MoELayer
+    from moetron.bridge import from_hf, to_hf
+    from moetron.integrations.hf import patch as old_name
+    from moetron.integrations.transformers import patch
+    from moetron.pipeline import simulate
+
+    assert old_name is patch and callable(from_hf) and callable(to_hf) and callable(simulate)
+    assert MoELayer(MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4, top_k=2)).config.num_experts == 4
