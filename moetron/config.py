@@ -71,8 +71,10 @@ class ModelConfig:
     # Training-time MoE options (do not change the forward of a loaded checkpoint).
     aux_loss_type: str = "none"
     aux_loss_coeff: float = 0.0
+    aux_loss_counts: str = "selected"  # "paper": top-k of the unbiased scores (docs/router_conventions.md)
     z_loss_coeff: float = 0.0
     bias_update_rate: float = 1e-3
+    bias_update_counts: str = "selected"  # "kept": count after capacity drops (Megatron)
     capacity_factor: float | None = None
     drop_policy: str = "probs"
     pad_to_capacity: bool = False
@@ -157,7 +159,8 @@ class ModelConfig:
             scaling_factor=self.routed_scaling_factor if deepseek else 1.0,
             expert_bias=deepseek, bias_update_rate=self.bias_update_rate,
             z_loss_coeff=self.z_loss_coeff, aux_loss_type=self.aux_loss_type,
-            aux_loss_coeff=self.aux_loss_coeff, capacity_factor=self.capacity_factor,
+            aux_loss_coeff=self.aux_loss_coeff, aux_loss_counts=self.aux_loss_counts,
+            bias_update_counts=self.bias_update_counts, capacity_factor=self.capacity_factor,
             drop_policy=self.drop_policy, pad_to_capacity=self.pad_to_capacity,
             shared_expert_ffn_size=self.moe_intermediate_size * self.n_shared_experts if deepseek else 0,
             expert_backend=self.expert_backend, init_std=self.init_std,

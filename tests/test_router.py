@@ -217,6 +217,9 @@ def test_router_runs_in_fp32_for_low_precision_inputs():
     (dict(num_groups=4, topk_groups=1, top_k=3), "top_k"),
     (dict(aux_loss_type="switch"), "aux_loss_type"),
     (dict(aux_loss_coeff=-0.1), "aux_loss_coeff"),
+    (dict(aux_loss_counts="topk"), "aux_loss_counts"),
+    (dict(bias_update_counts="after"), "bias_update_counts"),
+    (dict(bias_update_counts="kept"), "bias_update_counts"),  # without an expert bias it could not act
     (dict(capacity_factor=0.0), "capacity_factor"),
     (dict(capacity_factor=-1.0), "capacity_factor"),
     (dict(drop_policy="random"), "drop_policy"),
@@ -245,7 +248,8 @@ def test_config_zero_num_groups_is_a_validation_error():
 def test_config_valid_options_build():
     cfg = cfg_of(score_func="sigmoid", num_experts=16, num_groups=4, topk_groups=2, top_k=8, expert_bias=True,
                  aux_loss_type="seq_aux_loss", aux_loss_coeff=1e-3, z_loss_coeff=1e-3, capacity_factor=1.25,
-                 drop_policy="position", pad_to_capacity=True, shared_expert_ffn_size=8, shared_expert_gate=True)
+                 drop_policy="position", pad_to_capacity=True, shared_expert_ffn_size=8, shared_expert_gate=True,
+                 aux_loss_counts="paper", bias_update_counts="kept")
     assert cfg.top_k == 8 and cfg.num_groups == 4
 
 

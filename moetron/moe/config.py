@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSS_TYPES = ("none", "aux_loss", "seq_aux_loss", "global_aux_loss")
 DROP_POLICIES = ("probs", "position")
+AUX_LOSS_COUNTS = ("selected", "paper")
+BIAS_UPDATE_COUNTS = ("selected", "kept")
 EXPERT_BACKENDS = ("auto", "torch_grouped_mm", "loop", "grouped_gemm")
 
 
@@ -41,6 +43,11 @@ class MoEConfig:
     # Load balancing through an auxiliary loss, injected as a gradient only.
     aux_loss_type: str = "none"
     aux_loss_coeff: float = 0.0
+    # Which experts the balancing losses count (docs/router_conventions.md): "selected" the chosen ones
+    # (after expert bias and group limit); "paper" the top-k of the unbiased scores (DeepSeek-V3, Megatron).
+    aux_loss_counts: str = "selected"
+    # What update_expert_bias() counts: "selected" slots before capacity drops, or "kept" after (Megatron).
+    bias_update_counts: str = "selected"
 
     # Capacity: None means dropless.
     capacity_factor: float | None = None
@@ -83,6 +90,13 @@ class MoEConfig:
                       f"exceeds the {self.topk_groups * per_group} experts in {self.topk_groups} groups")
         if self.aux_loss_type not in AUX_LOSS_TYPES:
             _fail("aux_loss_type", self.aux_loss_type, f"choose one of {AUX_LOSS_TYPES}")
+        if self.aux_loss_counts not in AUX_LOSS_COUNTS:
+            _fail("aux_loss_counts", self.aux_loss_counts, f"choose one of {AUX_LOSS_COUNTS}")
+        if self.bias_update_counts not in BIAS_UPDATE_COUNTS:
+            _fail("bias_update_counts", self.bias_update_counts, f"choose one of {BIAS_UPDATE_COUNTS}")
+        if self.bias_update_counts == "kept" and not self.expert_bias:
+            _fail("bias_update_counts", "kept",
+                  "has no effect without expert_bias=True (the deepseek_v3 family sets it)")
         for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
             if getattr(self, name) < 0:
                 _fail(name, getattr(self, name), "must be >= 0")

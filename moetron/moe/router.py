@@ -1,4 +1,9 @@
-"""TopKRouter: scores, top-k selection, capacity, and balancing losses, all in fp32."""
+"""TopKRouter: scores, top-k selection, capacity, and balancing losses, all in fp32.
+
+Where moetron's conventions differ from Megatron-Core's and transformers' (which experts the
+balancing losses count, the group score, capacity rounding, drop ties, what the bias update
+counts), and the option that gives the other one: docs/router_conventions.md.
+"""
 
 from __future__ import annotations
 
@@ -94,7 +99,8 @@ class TopKRouter(nn.Module):
         return grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(T, -1)
 
     def forward(self, x_TH: torch.Tensor, seq_len: int | None = None) -> tuple[Routing, RouterLosses, torch.Tensor]:
-        """Return the routing, the detached loss values, and the top-k counts before drops."""
+        """Return the routing, the detached loss values, and the counts per expert for the bias update
+        (`bias_update_counts`: the top-k selections before capacity drops, or the slots kept after)."""
         cfg = self.config
         logits_TE = F.linear(x_TH.float(), self.weight.float())
         if cfg.score_func == "sigmoid":
@@ -123,7 +129,9 @@ class TopKRouter(nn.Module):
         if cfg.capacity_factor is not None:
             cap = capacity(x_TH.shape[0], cfg.num_experts, cfg.top_k, cfg.capacity_factor)
             topk_idx, weights = drop_over_capacity(topk_idx, weights, cfg.num_experts, cap, cfg.drop_policy)
-        return Routing.from_topk(topk_idx, weights, cfg.num_experts, cap, dropless=cap is None), losses, selected_counts
+        routing = Routing.from_topk(topk_idx, weights, cfg.num_experts, cap, dropless=cap is None)
+        bias_counts = routing.tokens_per_expert if cfg.bias_update_counts == "kept" else selected_counts
+        return routing, losses, bias_counts
 
     def _balancing_losses(self, logits_TE, topk_idx, weights, counts_E, seq_len):
         cfg = self.config
@@ -133,6 +141,10 @@ class TopKRouter(nn.Module):
         cp = self.cp_group if self.cp_group is not None and self.cp_group.size > 1 else None
         if cfg.aux_loss_type != "none" and cfg.aux_loss_coeff > 0:
             probs_TE = balancing.balance_probs(logits_TE, cfg.score_func)
+            if cfg.aux_loss_counts == "paper" and (self.expert_bias is not None or cfg.num_groups is not None):
+                # DeepSeek-V3's indicator: the top-k of the unbiased scores, no bias, no group limit.
+                topk_idx = torch.topk(probs_TE.detach(), cfg.top_k, dim=-1).indices
+                counts_E = count_per_expert(topk_idx, cfg.num_experts)
             if cp is not None:
                 aux = self._cp_aux_share(probs_TE, topk_idx, counts_E, seq_len, cp) * cfg.aux_loss_coeff
                 # The trainer's aux-loss scale is 1/cp (right for the per-token mean z-loss); a share
