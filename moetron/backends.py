@@ -1,12 +1,14 @@
 """Which optional accelerators are present, and why not when they are missing.
 
 Backends are chosen by capability (DESIGN principle 4). Nothing here imports an
-optional package at module load: each probe imports lazily when asked.
+optional package at module load: each probe imports lazily when asked. A CPU test double of a
+GPU library (tests/fakes) declares itself with `MOETRON_CPU_FAKE`; a probe reports it as such.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,12 @@ def _has_module(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def cpu_fake(module: str) -> str | None:
+    """What an already-imported CPU fake of `module` declares it follows (tests/fakes), else None.
+    Only `sys.modules` is consulted: a real library is never imported here."""
+    return getattr(sys.modules.get(module), "MOETRON_CPU_FAKE", None)
+
+
 def _cuda_reason() -> str | None:
     return None if torch.cuda.is_available() else "no CUDA device"
 
@@ -31,6 +39,9 @@ def _probe(name: str, module: str | None, needs_cuda: bool, what: str) -> Backen
     if module is not None and not _has_module(module):
         return BackendStatus(name, False, f"python package '{module}' is not installed ({what})")
     if needs_cuda and _cuda_reason():
+        fake = cpu_fake(module) if module is not None else None
+        if fake:
+            return BackendStatus(name, True, f"{what}: a CPU fake of {fake} (tests/fakes), not the GPU library")
         return BackendStatus(name, False, f"{_cuda_reason()} ({what} runs on GPU only)")
     return BackendStatus(name, True, what)
 
@@ -58,7 +69,7 @@ def backend_status() -> list[BackendStatus]:
                       "torch._grouped_mm grouped GEMM" if grouped_mm else "this torch has no torch._grouped_mm"),
         _probe("grouped_gemm", "grouped_gemm", True, "grouped_gemm package expert GEMMs"),
         _probe("flash_attn", "flash_attn", True, "flash-attn attention core"),
-        _probe("transformer_engine", "transformer_engine", True, "Transformer Engine fused attention"),
+        _probe("transformer_engine", "transformer_engine", True, "Transformer Engine (FP8 linears, attention)"),
         _probe("deep_ep", "deep_ep", True, "DeepEP dispatch/combine"),
         _nvshmem_status(),
         _probe("triton", "triton", False, "Triton kernels (TRITON_INTERPRET=1 on CPU)"),

@@ -3,37 +3,65 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import os
 import sys
+import textwrap
 
 import torch
 
 from moetron.backends import backend_status
 from moetron.bridge.convert import format_summary, hf_to_moetron, moetron_to_hf
-from moetron.config import Recipe, apply_overrides
+from moetron.checkpoint.verify import verify_command
+from moetron.config import ModelConfig, Recipe, TrainConfig, apply_overrides
 from moetron.data.packed import PreparedCorpus
 from moetron.data.prepare import prepare
 from moetron.dispatch.permute import impl_status
 from moetron.model.size import model_size
 from moetron.parallel import init_from_env
 from moetron.parallel.config import ParallelConfig
+from moetron.plan import cli as plan_cli
+from moetron.pipeline.simulator import main as simulate_main
 from moetron.recipes import RECIPES, get_recipe
 from moetron.recipes.catalog import DEFAULT_RECIPE
 from moetron.recipes.toml_io import dump_recipe, load_recipe
+from moetron.train.model_source import resolve_model
 from moetron.train.trainer import train
 
 
 def _recipe(args) -> Recipe:
-    """`--config FILE.toml` or `--recipe NAME`, then the `--set` overrides on top."""
+    """`--config FILE.toml` or `--recipe NAME`, then the `--set` overrides on top. A run that starts
+    from a checkpoint (`--hf DIR`, train.init_hf, train.resume) takes its model section from it;
+    `--set model.*` may then change only training-time options (train/model_source.py)."""
     if args.config and args.recipe:
         raise ValueError("give either --recipe NAME or --config FILE.toml, not both")
     base = load_recipe(args.config) if args.config else get_recipe(args.recipe or DEFAULT_RECIPE)
-    return apply_overrides(base, args.set or [])
+    sets = list(args.set or [])
+    if getattr(args, "hf", None):
+        sets.append(f"train.init_hf={args.hf}")
+    model_sets = [item for item in sets if item.split("=", 1)[0].strip().startswith("model.")]
+    return resolve_model(apply_overrides(base, [item for item in sets if item not in model_sets]), model_sets)
+
+
+def _fields_help() -> str:
+    """Every `--set` field with its default, by section (the epilog of `moetron train --help`)."""
+    sections = (("model", ModelConfig, get_recipe(DEFAULT_RECIPE).model), ("train", TrainConfig, TrainConfig()),
+                ("parallel", ParallelConfig, ParallelConfig()))
+    lines = ["fields (--set SECTION.FIELD=VALUE; the model section's defaults are the default recipe's):"]
+    for name, cls, obj in sections:
+        items = [f"{f.name}={json.dumps(getattr(obj, f.name), default=str)}" for f in dataclasses.fields(cls)]
+        lines += textwrap.wrap(" ".join(items), width=110, initial_indent=f"  {name}: ", subsequent_indent="    ",
+                               break_on_hyphens=False)
+    return "\n".join(lines)
 
 
 def _cmd_train(args) -> int:
     recipe = _recipe(args)
+    if args.print_config:
+        print(dump_recipe(recipe, full=True), end="")
+        return 0
     history = train(recipe)
     if torch.distributed.is_initialized():
         rank = torch.distributed.get_rank()
@@ -44,7 +72,8 @@ def _cmd_train(args) -> int:
         print("done: nothing to do, the checkpoint already covers train.steps")
         return 0
     first, last = history[0], history[-1]
-    print(f"done: loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(history)} steps")
+    print(f"done: loss {first['loss']:.4f} -> {last['loss']:.4f} over {len(history)} steps"
+          f" ({last.get('skipped_steps', 0)} skipped)")
     return 0
 
 
@@ -159,6 +188,7 @@ def _cmd_convert(args) -> int:
     rank = 0
     try:
         summary = hf_to_moetron(args.src, args.dst, parallel=parallel, dtype=args.dtype, overwrite=args.overwrite,
+                                allow_nonfinite=args.allow_nonfinite,
                                 progress=not args.quiet, file_bytes=args.file_size, parallel_state=ps)
     finally:
         if torch.distributed.is_initialized():
@@ -176,11 +206,15 @@ def _cmd_convert(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moetron", description="Train Mixture-of-Experts language models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_train = sub.add_parser("train", help="train a recipe (default: the tiny Qwen3-MoE proxy on built-in data)")
+    p_train = sub.add_parser("train", help="train a recipe (default: the tiny Qwen3-MoE proxy on built-in data)",
+                             epilog=_fields_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p_train.add_argument("--recipe", default=None, help=f"recipe name (default {DEFAULT_RECIPE}; `moetron recipes`)")
     p_train.add_argument("--config", metavar="FILE.toml", help="a recipe file (e.g. recipes/qwen3-moe-tiny.toml)")
     p_train.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                          help="override a field, e.g. --set train.steps=20 --set model.num_layers=2")
+    p_train.add_argument("--hf", metavar="DIR", help="start from this Hugging Face folder: its config.json is the "
+                         "model (short for --set train.init_hf=DIR)")
+    p_train.add_argument("--print-config", action="store_true", help="print the resolved recipe as TOML and exit")
     p_train.set_defaults(func=_cmd_train)
     p_rec = sub.add_parser("recipes", help="list recipes with sizes and default layouts, or print one as TOML")
     p_rec.add_argument("--dump", metavar="NAME|FILE.toml", help="print this recipe as TOML (a file to edit)")
@@ -202,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     h2m.add_argument("--dtype", choices=["keep", "fp32", "bf16"], default="keep",
                      help="stored dtype (keep: as in the source; FP8 sources are dequantized to bf16)")
     h2m.add_argument("--file-size", type=_size, default=None, help="largest output file per rank, e.g. 4GB")
+    h2m.add_argument("--allow-nonfinite", action="store_true", help="convert weights holding NaN/inf (refused otherwise)")
     m2h = directions.add_parser("moetron-to-hf", help="a moetron checkpoint (any layout) -> a Hugging Face folder")
     m2h.add_argument("src", help="checkpoint folder (with meta.json) or a save_dir (uses its latest)")
     m2h.add_argument("dst", help="output folder (must not exist unless --overwrite)")
@@ -214,11 +249,31 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--quiet", action="store_true", help="no progress bar")
     p_conv.set_defaults(func=_cmd_convert)
     _add_data_parser(sub)
+    plan_cli.add_parser(sub)
+    sub.add_parser("simulate", add_help=False, help="simulate a pipeline schedule, draw its timeline (--png)")
+    p_ck = sub.add_parser("checkpoint", help="checkpoint tools").add_subparsers(dest="checkpoint_command", required=True)
+    p_ver = p_ck.add_parser("verify", help="check meta.json and every file's checksum (a checkpoint or a save_dir)")
+    p_ver.add_argument("path")
+    p_ver.set_defaults(func=lambda args: verify_command(args.path))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["simulate"]:  # its own parser (moetron/pipeline/simulator.py)
+        simulate_main(argv[1:])
+        return 0
     args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first stops training at the next step boundary)
+        if rank == 0:
+            print(f"moetron {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (ValueError, NotImplementedError, FileNotFoundError, FileExistsError) as exc:
-        print(f"moetron {args.command}: error: {exc}", file=sys.stderr)
+        # Under torchrun every rank reaches the same configuration error: rank 0 says it, once. An
+        # error raised after the process group is up may be one rank's own: the others say it too.
+        if rank == 0:
+            print(f"moetron {args.command}: error: {exc}", file=sys.stderr)
+        elif torch.distributed.is_initialized():
+            print(f"moetron {args.command}: error (rank {rank}): {exc}", file=sys.stderr)
         return 2
 
 

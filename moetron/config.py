@@ -85,6 +85,10 @@ class ModelConfig:
     # every n-th decoder layer (0: none). See moetron/ops/recompute.py.
     recompute_modules: list[str] = field(default_factory=list)
     recompute_every_n_layers: int = 0
+    # Megatron's full recompute: "uniform" (every layer; Megatron groups recompute_num_layers of them per
+    # checkpoint) or "block" (the first recompute_num_layers decoder layers of each pipeline stage).
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -130,7 +134,21 @@ class ModelConfig:
                 or self.recompute_every_n_layers < 0):
             _fail("recompute_every_n_layers", self.recompute_every_n_layers,
                   "must be an integer >= 0 (0: no full-layer recompute; n: every n-th layer)")
+        self._check_recompute_method()
         self.moe_config()  # validates the MoE fields with their own messages
+
+    def _check_recompute_method(self) -> None:
+        method, n = self.recompute_method, self.recompute_num_layers
+        if method not in (None, "uniform", "block"):
+            _fail("recompute_method", method, "choose uniform or block (or null)")
+        if method is None and n is not None:
+            _fail("recompute_num_layers", n, "needs model.recompute_method=uniform or block")
+        if method is not None:
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                _fail("recompute_num_layers", n, f"model.recompute_method={method} needs an integer >= 1")
+            if self.recompute_every_n_layers:
+                _fail("recompute_method", method, "and recompute_every_n_layers both choose the fully recomputed "
+                      "layers: set one of them")
 
     @property
     def attention_type(self) -> str:
@@ -195,16 +213,36 @@ class TrainConfig:
     peak_tflops: float | None = None  # the device's peak, for the MFU estimate
     save_dir: str | None = None  # checkpoints go to SAVE_DIR/step-NNNNNNNN/
     save_every: int = 0  # steps between checkpoints; 0 saves only at the end (when save_dir is set)
-    resume: bool = False  # continue from SAVE_DIR/latest when it exists
+    resume: bool = False  # continue from the newest intact checkpoint in SAVE_DIR when it holds any
+    resume_from: str | None = None  # resume this checkpoint of SAVE_DIR (step-N) instead; newer ones are moved aside
+    overwrite: bool = False  # SAVE_DIR holds an earlier run: move it aside (SAVE_DIR.old-TIME) and start over
     init_hf: str | None = None  # start from this Hugging Face folder's weights (unless resuming)
     export_hf: str | None = None  # after the last step, write the final checkpoint here as a hub folder
-    fp8: str | None = None  # FP8 recipe for linear layers and experts: tensorwise, delayed, blockwise
-    fp8_backend: str = "auto"  # auto, emulate, torch (torch._scaled_mm), te (Transformer Engine)
+    fp8: str | None = None  # FP8 recipe for linear layers and experts: tensorwise, delayed, blockwise, mxfp8
+    fp8_backend: str = "auto"  # auto (by capability, logged), emulate, torch (torch._scaled_mm), te (Transformer Engine)
+    # Megatron's --first-last-layers-bf16 / --num-layers-at-{start,end}-in-bf16: keep that many decoder
+    # layers at each end of the model in high precision under train.fp8
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
     dtype: str = "fp32"  # parameters: fp32, or bf16 (with fp32 gradients, master weights and moments)
     device: str = "auto"  # auto (this rank's GPU when CUDA is available, else the CPU), cpu, cuda
     fusion: str = "none"  # elementwise kernels: none (eager reference) or compile (torch.compile'd, same math)
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: "stop" (raise) or "skip" the update
     collective_timeout_s: float = 1800.0  # how long a collective waits for a dead or stuck rank
+    global_batch_size: int | None = None  # sequences per step; sets grad_accum = global / (dp x micro_batch_size)
+    batch_size_rampup: list | None = None  # [start, increment, ramp_samples], Megatron's --rampup-batch-size
+    permute_impl: str | None = None  # MoE permute kernel: auto, torch, cpp, triton; null: $MOETRON_PERMUTE_IMPL,
+    # else by device (triton on GPU, torch on CPU)
+    collective_wait_log_s: float = 60.0  # while waiting that long, log which rank waits where, this often
+    max_skipped_steps: int = 10  # on_nonfinite=skip: stop with an error after more steps than this in a row
+    eval_every: int = 0  # steps between validation losses on held-out data (0: none)
+    eval_batches: int = 4  # micro-batches per validation loss (held out of the training data)
+    sample_every: int = 0  # steps between greedy text samples from a fixed prompt (0: none)
+    wandb_project: str | None = None  # log to Weights & Biases (needs `wandb`; WANDB_MODE=offline works offline)
+    keep_last: int = 0  # keep only the newest N checkpoints in save_dir (0: keep all)
+    check_memory: bool = True  # refuse a run whose estimated memory per rank exceeds this machine's
+    collapse_threshold: float = 3.0  # flag routing collapse when an expert's load max/mean exceeds this
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "micro_batch_size", "grad_accum", "log_every"):
@@ -219,8 +257,14 @@ class TrainConfig:
         if self.export_hf and not self.save_dir:
             raise ValueError("TrainConfig.export_hf needs train.save_dir: the export is made from the final "
                              "checkpoint")
-        if self.resume and not self.save_dir:
-            raise ValueError("TrainConfig.resume=true needs train.save_dir")
+        if (self.resume or self.resume_from or self.overwrite) and not self.save_dir:
+            raise ValueError("TrainConfig.resume, resume_from and overwrite need train.save_dir")
+        if self.overwrite and (self.resume or self.resume_from):
+            raise ValueError("TrainConfig.overwrite=true moves SAVE_DIR's earlier run aside, train.resume continues "
+                             "it: choose one")
+        if self.max_skipped_steps < 0 or not self.collective_wait_log_s > 0:
+            raise ValueError(f"TrainConfig.max_skipped_steps={self.max_skipped_steps} must be >= 0 and "
+                             f"collective_wait_log_s={self.collective_wait_log_s} > 0")
         if self.warmup_steps < 0:
             raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be >= 0")
         if self.dtype not in ("fp32", "bf16"):
@@ -235,8 +279,46 @@ class TrainConfig:
         if not self.collective_timeout_s > 0:
             raise ValueError(f"TrainConfig.collective_timeout_s={self.collective_timeout_s} must be > 0 (seconds a "
                              "collective waits for the other ranks before failing)")
-        if self.fp8 is not None and self.fp8 not in ("tensorwise", "delayed", "blockwise"):
-            raise ValueError(f"TrainConfig.fp8={self.fp8!r}: choose tensorwise, delayed or blockwise (or null)")
+        for name in ("eval_every", "sample_every", "keep_last"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be >= 0 (0 turns it off)")
+        if self.eval_batches < 1:
+            raise ValueError(f"TrainConfig.eval_batches={self.eval_batches} must be >= 1")
+        if self.keep_last and not self.save_dir:
+            raise ValueError("TrainConfig.keep_last needs train.save_dir (it prunes the checkpoints saved there)")
+        if self.fp8 is not None and self.fp8 not in ("tensorwise", "delayed", "blockwise", "mxfp8"):
+            raise ValueError(f"TrainConfig.fp8={self.fp8!r}: choose tensorwise, delayed, blockwise or mxfp8 (or null)")
+        if self.fp8_backend not in ("auto", "emulate", "torch", "te"):
+            raise ValueError(f"TrainConfig.fp8_backend={self.fp8_backend!r}: choose auto, emulate, torch or te")
+        self._check_batch_size()
+        if self.permute_impl not in (None, "auto", "torch", "cpp", "triton"):
+            raise ValueError(f"TrainConfig.permute_impl={self.permute_impl!r}: choose auto, torch, cpp or triton "
+                             "(or null for the environment's / the device's default)")
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be an integer >= 0")
+        if self.first_last_layers_bf16 and not self.fp8:
+            raise ValueError("TrainConfig.first_last_layers_bf16=true needs train.fp8 (a recipe): without FP8 every "
+                             "layer is already high precision")
+
+    def _check_batch_size(self) -> None:
+        """What can be checked without the layout (train/setup.py:resolve_batch_size does the rest)."""
+        g, ramp = self.global_batch_size, self.batch_size_rampup
+        if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1):
+            raise ValueError(f"TrainConfig.global_batch_size={g!r} must be a positive number of sequences (or null)")
+        if ramp is None:
+            return
+        if (not isinstance(ramp, (list, tuple)) or len(ramp) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in ramp)):
+            raise ValueError(f"TrainConfig.batch_size_rampup={ramp!r} must be [start, increment, ramp_samples]: three "
+                             "positive integers (Megatron's --rampup-batch-size)")
+        if g is None:
+            raise ValueError("TrainConfig.batch_size_rampup needs train.global_batch_size (the batch it ramps up to)")
+        start, increment, _ = ramp
+        if not start < g or (g - start) % increment:
+            raise ValueError(f"TrainConfig.batch_size_rampup={list(ramp)}: the start must be below "
+                             f"train.global_batch_size={g} and reach it in whole increments ({g} - {start} is not a "
+                             f"positive multiple of {increment})")
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up then cosine decay to `lr * min_lr_ratio` (step counts from 0)."""
@@ -256,6 +338,22 @@ class Recipe:
     model: ModelConfig
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        # bf16-only GPU libraries against fp32 activations: refused here, not by the library's assert
+        if self.train.dtype == "fp32":
+            if self.model.attention_backend == "flash_attn":
+                raise ValueError("model.attention_backend=flash_attn runs fp16/bf16 only, but train.dtype=fp32: set "
+                                 "train.dtype=bf16, or model.attention_backend=sdpa (or te)")
+            if self.model.expert_backend == "grouped_gemm":
+                raise ValueError("model.expert_backend=grouped_gemm runs bf16 only, but train.dtype=fp32: set "
+                                 "train.dtype=bf16, or model.expert_backend=auto")
+        t = self.train
+        if t.first_last_layers_bf16 and t.num_layers_at_start_in_bf16 + t.num_layers_at_end_in_bf16 > \
+                self.model.num_layers:
+            raise ValueError(f"train.num_layers_at_start_in_bf16 + num_layers_at_end_in_bf16 = "
+                             f"{t.num_layers_at_start_in_bf16 + t.num_layers_at_end_in_bf16} exceeds model.num_layers="
+                             f"{self.model.num_layers}")
 
 
 def _coerce(text: str, current, path: str):

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Callable, TextIO
 
-__all__ = ["ProgressBar", "format_duration"]
+__all__ = ["ProgressBar", "format_duration", "is_tty"]
 
 
 def format_duration(seconds: float) -> str:
@@ -28,7 +28,8 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def _is_tty(stream) -> bool:
+def is_tty(stream) -> bool:
+    """Whether `stream` is a terminal that understands control sequences (not TERM=dumb)."""
     try:
         return bool(stream.isatty()) and os.environ.get("TERM") != "dumb"
     except (AttributeError, ValueError):  # no isatty, or a closed stream
@@ -47,7 +48,7 @@ class ProgressBar:
                  enabled: bool | None = None, min_interval: float = 0.1, width: int | None = None,
                  scale: float = 1.0, label: str = "", plain_every: float | None = None):
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = _is_tty(self.stream)
+        self.tty = is_tty(self.stream)
         self.enabled = self.tty if enabled is None else enabled
         self.label = label
         # Off a terminal the bar is not drawn; with `plain_every` a plain line is printed that often

@@ -17,7 +17,7 @@ LINT = Path(sys.executable).with_name("lint-imports")
 OPTIONAL = ("triton", "transformer_engine", "deep_ep", "flash_attn", "grouped_gemm", "tokenizers", "tensorboard",
             "transformers", "wandb", "torch.distributed._symmetric_memory", "torch.distributed.c10d_logger",
             "torch._C._autograd", "torch.utils.cpp_extension", "torch.utils.tensorboard",
-            "moetron.kernels.triton_permute")
+            "moetron.kernels.triton_permute", "moetron.kernels.triton_swiglu")
 
 
 def _lint(cwd: Path) -> subprocess.CompletedProcess:

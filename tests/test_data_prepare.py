@@ -434,3 +434,82 @@ def test_trainer_trains_on_a_prepared_folder(prepared, tmp_path):
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 8
     with pytest.raises(ValueError, match="moetron data prepare"):
         check_run_inputs(apply_overrides(get_recipe("qwen3-moe-tiny"), [f"train.data={tmp_path}"]))
+
+
+# ---- long documents in bounded memory ------------------------------------------------------------
+
+
+def _long_doc(rng: random.Random, words: int) -> str:
+    """Words with single and multiple spaces, tabs, line breaks (also after spaces), Unicode."""
+    seps = [" "] * 12 + ["  ", "\t", " \n", "\n", ".\n", "\n\n ", ", "]
+    return "".join(rng.choice(WORDS) + rng.choice(seps) for _ in range(words)) + "end"
+
+
+def test_long_documents_are_tokenized_in_pieces_with_the_whole_documents_tokens(tmp_path, tok, tok_file):
+    rng = random.Random(7)
+    docs = [_long_doc(rng, 3000), "short one", _long_doc(rng, 500)]
+    quiet = dict(log=lambda s: None, progress=False, piece_chars=300, batch_chars=1000, batch_docs=3)
+    (tmp_path / "f.txt").write_text(docs[0], encoding="utf-8")
+    (tmp_path / "l.txt").write_text("\n".join(d.replace("\n", " ") for d in docs) + "\n", encoding="utf-8")
+    _write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])
+    cases = {"file": ("f.txt", [docs[0]]), "line": ("l.txt", [d.replace("\n", " ") for d in docs]),
+             "jsonl": ("d.jsonl", docs)}
+    for mode, (name, want_docs) in cases.items():
+        out = tmp_path / f"out-{mode}"
+        prepare([tmp_path / name], tok_file, out, text_mode="line" if mode == "line" else "file", **quiet)
+        assert _read_back(out)[:2] == _reference(tok, want_docs), mode
+    paragraphs = [_long_doc(rng, 800).replace("\t", "tab").replace("\n\n", "\n") for _ in range(2)]  # no blank line
+    (tmp_path / "p.txt").write_text("\n\n".join(paragraphs), encoding="utf-8")
+    prepare([tmp_path / "p.txt"], tok_file, tmp_path / "out-p", text_mode="paragraph", **quiet)
+    assert _read_back(tmp_path / "out-p")[:2] == _reference(tok, [p.rstrip("\r\n") for p in paragraphs])
+    # A run longer than a piece with nowhere to cut is refused, naming the file and what to do.
+    (tmp_path / "solid.txt").write_text("x" * 5000, encoding="utf-8")
+    with pytest.raises(ValueError, match=r"solid\.txt: document 1 has 300 characters in a row with no space"):
+        prepare([tmp_path / "solid.txt"], tok_file, tmp_path / "out-solid", **quiet)
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+_PEAK = """
+import resource, sys
+from moetron.data.prepare import prepare
+prepare([sys.argv[1]], sys.argv[2], sys.argv[3], text_mode="line", log=lambda s: None, progress=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_a_long_line_takes_no_more_memory_than_a_short_one(tmp_path, tok_file):
+    import os
+    import subprocess
+
+    rng = random.Random(3)
+    chunk = " ".join(rng.choice(WORDS) for _ in range(20_000))
+    peaks = {}
+    for mb in (0.5, 6):
+        path = tmp_path / f"{mb}.txt"
+        with open(path, "w", encoding="utf-8") as f:
+            for _ in range(int(mb * 1e6 / len(chunk.encode()))):
+                f.write(chunk + " ")
+        env = {**os.environ, "RAYON_NUM_THREADS": "1"}
+        result = subprocess.run([sys.executable, "-c", _PEAK, str(path), str(tok_file), str(tmp_path / f"o{mb}")],
+                                capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr
+        peaks[mb] = int(result.stdout.split()[-1]) / 1024  # MB
+    # Whole, the 6 MB line alone would take ~800 MB in the tokenizer; in pieces it adds next to nothing.
+    assert peaks[6] < 1.3 * peaks[0.5] and peaks[6] - peaks[0.5] < 100, peaks
+
+
+def test_a_full_disk_while_preparing_names_the_folder_and_keeps_nothing(tmp_path, corpus, tok_file, monkeypatch):
+    import errno
+
+    inputs, _ = corpus
+
+    def full(f, values):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prepare_module, "_write", full)
+    with pytest.raises(OSError) as err:
+        prepare(inputs, tok_file, tmp_path / "out", log=lambda s: None, progress=False)
+    message = str(err.value)
+    assert err.value.errno == errno.ENOSPC and "\n" not in message
+    assert f"preparing {tmp_path / 'out'} failed: No space left on device" in message and "GB free" in message
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".partial-" in p.name]

@@ -38,7 +38,7 @@ from moetron.ops.norm import RMSNorm
 from moetron.moe.experts import GroupedExperts
 from moetron.moe.router import TopKRouter
 from moetron.precision import (FP8GroupedExperts, FP8Linear, apply_fp8, fp8_grouped_linear, fp8_modules,
-                               fp8_state_dict, get_fp8_recipe, load_fp8_state_dict)
+                               fp8_state_dict, get_fp8_recipe, load_fp8_state_dict, probe_capabilities)
 from moetron.precision import fp8
 from moetron.precision import fp8_matmul as gemms
 from moetron.recipes import get_recipe
@@ -335,10 +335,10 @@ def test_apply_fp8_scope_names_and_padding():
     with pytest.raises(ValueError, match="already FP8"):
         apply_fp8(layer, "tensorwise")
     with pytest.raises(ValueError, match="unknown FP8 recipe"):
-        apply_fp8(nn.Linear(4, 4), "mxfp8")
+        apply_fp8(nn.Linear(4, 4), "nvfp4")
     with pytest.raises(ValueError, match="E4M3 everywhere"):
         get_fp8_recipe("blockwise", fp8_format="hybrid")
-    if not gemms._te_available():
+    if probe_capabilities().te is None:
         with pytest.raises(RuntimeError, match="transformer_engine"):
             apply_fp8(nn.Linear(4, 4), get_fp8_recipe("tensorwise", backend="te"))
 

@@ -74,7 +74,7 @@ def test_sequence_parallel_is_a_no_op_without_tp():
         (dict(tp=2, etp=4), dict(moe_ffn_hidden_size=6),
          r"etp=4 does not divide moe_ffn_hidden_size=6"),
         (dict(tp=4), dict(ffn_hidden_size=10), r"tp=4 does not divide ffn_hidden_size=10"),
-        (dict(pp=2, vpp=2), dict(num_layers=6), r"pp\*vpp = 2\*2 = 4 does not divide num_layers=6"),
+        (dict(pp=2, vpp=2, schedule="interleaved"), dict(num_layers=6), r"pp\*vpp = 2\*2 = 4 does not divide num_layers=6"),
         (dict(cp=2), dict(seq_length=6), r"2\*cp = 4 does not divide seq_length=6"),
         (dict(tp=4, cp=2, sp=True), dict(seq_length=20),
          r"tp=4 does not divide the per-cp-rank sequence 20//2 = 10"),

@@ -269,8 +269,8 @@ def test_p2p_plan_never_sends_before_producing():
 
 
 def test_bad_sizes_and_layouts_fail_clearly():
-    for name, pp, m, message in [("dualpipev", 2, 3, "even number of micro-batches >= 2\\*pp"),
-                                 ("dualpipev", 2, 2, "even number"), ("dualpipe", 3, 6, "even pp"),
+    for name, pp, m, message in [("dualpipev", 2, 3, "microbatches >= 2\\*pp"),
+                                 ("dualpipev", 2, 2, "microbatches >= 2\\*pp"), ("dualpipe", 3, 6, "even pp"),
                                  ("interleaved", 4, 2, "microbatches=2 must be >= pp=4")]:
         with pytest.raises(ScheduleError, match=message):
             build_schedule(name, pp=pp, microbatches=m)

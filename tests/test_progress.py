@@ -82,14 +82,15 @@ def test_metrics_logger_writes_json_lines_and_log_lines(tmp_path):
         assert not logger.bar.enabled  # not a terminal: plain log lines only
         for m in rows:
             logger.log_step(m)
-    assert [json.loads(line) for line in path.read_text().splitlines()] == rows
+    # The file counts steps as the console does: the number of steps done (1..7).
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{**r, "step": r["step"] + 1} for r in rows]
     assert lines == [format_metrics(rows[s], 7) for s in (0, 3, 6)]  # every 3rd step and the last
     assert lines[1].startswith("step    4/7 | loss ") and f"mtp {rows[3]['mtp_loss']:.4f}" in lines[1]
     assert stream.getvalue() == ""
     # A resumed run appends.
     with MetricsLogger(9, start_step=7, metrics_file=path, log=lines.append, stream=stream) as logger:
         logger.log_step(_metrics(rng, 7))
-    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(8))
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(1, 9))
 
 
 def test_a_skipped_step_is_strict_json_and_flagged(tmp_path):
@@ -166,6 +167,37 @@ def test_tensorboard_scalars_read_back(tmp_path):
     assert "step" not in tags and "max_over_mean_load" not in tags  # the x-axis, and a None
     for tag in ("loss", "lr", "moe_load/layer1/max_over_mean"):
         got = [(e.step, e.value) for e in events.Scalars(tag)]
-        want = [(m["step"], m[tag] if "/" not in tag else m["moe_load"]["layer1"]["max_over_mean"]) for m in rows]
+        want = [(m["step"] + 1, m[tag] if "/" not in tag else m["moe_load"]["layer1"]["max_over_mean"]) for m in rows]
         assert [s for s, _ in got] == [s for s, _ in want]
         assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6)
+
+
+def test_step_line_shows_aux_loss_and_flags_collapse():
+    m = {**_metrics(random.Random(5), 2), "aux_loss": 0.25, "seq_aux_loss": 0.5, "z_loss": 9.0}
+    line = format_metrics(m, 10)
+    assert "| aux 0.7500 |" in line and "COLLAPSE" not in line  # aux: the balancing losses, not z
+    idle = {**m, "idle_experts": 3}
+    assert format_metrics(idle, 10).endswith("| COLLAPSE: 3 expert(s) got no token")
+    hot = {**m, "max_over_mean_load": 3.5}
+    assert format_metrics(hot, 10, collapse_threshold=4.0).endswith("load max/mean 3.50")
+    flagged = format_metrics(hot, 10, collapse_threshold=3.0, color=True)
+    assert flagged.endswith("| \x1b[31mCOLLAPSE: load max/mean 3.50 > 3\x1b[0m")
+    lines = []
+    with MetricsLogger(10, log=lines.append, stream=io.StringIO(), color=True, collapse_threshold=3.0) as logger:
+        logger.log_step(hot)
+    assert lines == [flagged]
+
+
+def test_run_header_names_the_batch_and_fp8():
+    from moetron.recipes import apply_overrides, get_recipe
+    from moetron.train.metrics import describe_run
+
+    r = apply_overrides(get_recipe("qwen3-moe-tiny"), ["train.grad_accum=3", "train.fp8=blockwise", "parallel.ep=2"])
+    lines = describe_run(r, world_size=4, dp=4, total_params=2_000_000, active_params=1_000_000, device="cpu",
+                         memory={"parameters": 2e6, "activations": 3e9})
+    assert lines[0].startswith("recipe qwen3-moe-tiny: 2.00M parameters (1.00M active), 150 steps on 4 process")
+    assert lines[1].startswith("layout: ep=2, 4 data-parallel replica(s)")
+    assert lines[2] == ("batch: 12,288 tokens per step = 4 replica(s) x 3 micro-batch(es) (train.grad_accum) x "
+                        "8 sequence(s) (train.micro_batch_size) x 128 tokens (train.seq_len)")
+    assert "FP8 blockwise" in lines[3] and "emulated on the CPU" in lines[3]
+    assert lines[4] == "memory: ~3.0 GB per rank estimated (parameters 2.0 MB, activations 3.0 GB)"

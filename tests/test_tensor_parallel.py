@@ -257,7 +257,7 @@ def check_vocab_parallel_pieces(ps):
             assert rel_err(shard.grad, full.grad[..., mine]) < 1e-6
             assert (shard.grad[0, 0] == 0).all()  # ignored token: no gradient
 
-    emb_full = torch.nn.Embedding(V, 6)
+    emb_full = torch.nn.Embedding(V, 6, _weight=torch.randn(V, 6, generator=gen))  # the same on every rank
     for sp in (False, True):
         emb = VocabParallelEmbedding.from_embedding(emb_full, tp, sequence_parallel=sp)
         assert emb.weight.shape == (n_local, 6)

@@ -68,7 +68,7 @@ def test_training_reduces_loss_and_writes_metrics(name, tmp_path):
                                                         f"train.metrics_file={metrics}"])
     history = train(recipe, log=lambda s: None)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert len(rows) == 30 and rows[-1]["step"] == 29
+    assert len(rows) == 30 and rows[-1]["step"] == 30  # steps done, as the console counts
     for key in ("step", "loss", "lm_loss", "grad_norm", "lr", "tokens_per_s", "max_over_mean_load",
                 "dropped_fraction", "skipped_steps"):
         assert key in rows[0]
@@ -162,13 +162,14 @@ def test_resume_continues_bit_identically(tmp_path):
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path):
+    from moetron.checkpoint import CheckpointError
     from moetron.checkpoint.training import load_checkpoint
     from moetron.train.trainer import build_optimizer
 
     recipe = apply_overrides(get_recipe("qwen3-moe-tiny"), SMALL)
     model = MoETransformer(recipe.model)
     (tmp_path / "meta.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match="model.safetensors is missing"):
+    with pytest.raises(CheckpointError, match="meta.json: key 'format' is missing"):
         load_checkpoint(tmp_path, model, build_optimizer(model, recipe))
 
 

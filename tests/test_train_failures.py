@@ -7,7 +7,10 @@ blocks before a collective: the other must fail after `train.collective_timeout_
 error that names the collective and the step, instead of waiting forever.
 """
 
+import contextlib
+import io
 import json
+import logging
 import math
 import os
 import time
@@ -15,7 +18,9 @@ import time
 import pytest
 
 from dist_utils import run_distributed
+from moetron.cli import main
 from moetron.model.model import MoETransformer
+from moetron.parallel.state import collective_failures
 from moetron.recipes import apply_overrides, get_recipe
 from moetron.train import trainer
 from moetron.train.setup import build_run
@@ -75,6 +80,25 @@ def test_nonfinite_loss_stops_or_skips_in_one_process(monkeypatch, tmp_path):
     row = json.loads(metrics.read_text().splitlines()[1])  # strict JSON: NaN is written as null
     assert row["loss"] is None and row["skipped"] is True and row["skipped_steps"] == 1
 
+    # A run that keeps diverging stops after train.max_skipped_steps skips in a row; the count of
+    # skipped steps survives a resume and ends up in the command's summary line.
+    monkeypatch.undo()  # the poisons below replace, not wrap, the one above
+    _poison_forward(monkeypatch, set(range(2, 100)))  # every forward from step 1 (second micro-batch 0) on
+    diverged = apply_overrides(skip, ["train.max_skipped_steps=2", "train.steps=6"])
+    with pytest.raises(FloatingPointError, match=r"step 4/6: 3 steps in a row were skipped .*max_skipped_steps=2"):
+        train(diverged, log=lambda s: None)
+    monkeypatch.undo()
+    _poison_forward(monkeypatch, {3})
+    saved = [f"train.save_dir={tmp_path / 'ckpt'}", "train.save_every=1"]
+    train(apply_overrides(skip, saved + ["train.steps=2"]), log=lambda s: None)
+    monkeypatch.undo()
+    args = ["train", "--recipe", "deepseek-v3-tiny"] + [a for o in BASE + ["train.grad_accum=2",
+            "train.on_nonfinite=skip", "train.resume=true", "train.steps=3"] + saved for a in ("--set", o)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(args) == 0
+    assert "over 1 steps (1 skipped)" in out.getvalue(), out.getvalue()
+
     with pytest.raises(ValueError, match="on_nonfinite"):
         apply_overrides(recipe, ["train.on_nonfinite=ignore"])
     with pytest.raises(ValueError, match="collective_timeout_s"):
@@ -96,8 +120,11 @@ def _two_rank_failures(rank, world, flag_file):
             except FloatingPointError as exc:
                 out[mode] = str(exc)
 
-    # Rank 1 blocks before step 1's forward, until rank 0 has given up (or 120 s pass).
-    hang = apply_overrides(ep2, ["train.collective_timeout_s=3"])
+    # Rank 1 blocks before step 1's forward, until rank 0 has given up (or 120 s pass); rank 0 logs
+    # every second that it still waits.
+    hang = apply_overrides(ep2, ["train.collective_timeout_s=3", "train.collective_wait_log_s=1"])
+    waits = _Records()
+    logging.getLogger("moetron.parallel.state").addHandler(waits)
     with MonkeyPatch.context() as mp:
         original, count = MoETransformer.forward, [0]
 
@@ -118,7 +145,17 @@ def _two_rank_failures(rank, world, flag_file):
             out["hang"] = (type(exc).__name__, str(exc), time.monotonic() - start)
         if rank == 0:
             open(flag_file, "w").close()
+    out["waits"] = waits.lines
     return out
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
 
 
 def test_two_ranks_agree_on_nonfinite_and_a_hung_rank_times_out(tmp_path):
@@ -139,3 +176,15 @@ def test_two_ranks_agree_on_nonfinite_and_a_hung_rank_times_out(tmp_path):
     assert "in the forward/backward pass of step 2/4" in message, message
     assert "train.collective_timeout_s=3" in message, message
     assert 2.5 < elapsed < 60, elapsed  # it waited for the timeout, then gave up
+    waits = [w for w in results[0]["waits"] if "forward/backward pass of step 2/4" in w]
+    assert waits and all(w.startswith("rank 0: still waiting after") for w in waits), results[0]["waits"]
+
+
+def test_a_long_wait_is_logged_once_per_interval(caplog):
+    with caplog.at_level(logging.WARNING, logger="moetron.parallel.state"):
+        with collective_failures("in the test block", rank=3, wait_log_s=0.3):
+            time.sleep(1.05)
+        time.sleep(0.5)  # nothing more once the block has ended
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and all(line.startswith("rank 3: still waiting after") for line in lines), lines
+    assert "in the test block" in lines[0]

@@ -37,7 +37,7 @@ from moetron.optim import ReplicatedAdamW
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.data_parallel import DataParallel
 from moetron.recipes import apply_overrides, get_recipe
-from moetron.train import trainer
+from moetron.train import evaluation, trainer
 from moetron.checkpoint.training import latest_checkpoint, load_checkpoint
 from moetron.data.builtin import TokenBatches
 from moetron.train.trainer import train
@@ -243,7 +243,7 @@ def test_gradient_accumulation_matches_one_large_batch(name, tmp_path, monkeypat
     The per-micro-batch Switch aux loss is not additive over micro-batches, so both runs use
     DeepSeek's sequence-wise aux loss, which is a mean over sequences (and so additive).
     """
-    monkeypatch.setattr(trainer, "TokenBatches", _ConcatenatedBatches)
+    monkeypatch.setattr(evaluation, "TokenBatches", _ConcatenatedBatches)  # the trainer builds its data there
     common = ["model.aux_loss_type=seq_aux_loss", "model.aux_loss_coeff=1e-2"]
     small, large = (_recipe(name, common + [f"train.grad_accum={a}", f"train.micro_batch_size={m}",
                                             f"train.save_dir={tmp_path}/{a}x{m}"]) for a, m in ((4, 2), (1, 8)))

@@ -26,14 +26,16 @@ import torch
 
 from moetron.bridge.hub import DTYPE_CHOICES, HFSource, meta_model, tensor_parts
 from moetron.bridge.hf import SCALE_SUFFIX, _quantizable
-from moetron.bridge.hf_config import config_to_hf
+from moetron.bridge.hf_config import config_to_hf, export_config, set_dtype
 from moetron.bridge.keys import build_key_map, mtp_shared_copies
 from moetron.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, CheckpointError, atomic_folder
 from moetron.checkpoint.slices import (DTYPES, Box, Entry, numel,
                                    split_rows, write_safetensors)
 from moetron.checkpoint import sharded as store
-from moetron.checkpoint.sharded import META, StoreReader, local_tensors, read_meta
+from moetron.checkpoint.sharded import META, StoreReader, local_tensors
 from moetron.checkpoint.training import _adapter, latest_checkpoint, load_model_tensors
+from moetron.checkpoint.commit import write_durably
+from moetron.checkpoint.verify import finite_or_raise, seal_meta, verify_checkpoint
 from moetron.config import ModelConfig
 from moetron.model.parallelize import parallelize
 from moetron.parallel import ParallelState
@@ -78,6 +80,8 @@ def format_summary(s: dict) -> str:
         details.append("layout " + " ".join(f"{k}{v}" for k, v in s["layout"].items() if k != "world_size"))
     if details:
         lines.append("  " + ", ".join(details))
+    if s.get("config_changes"):
+        lines.append("  config.json differs from the source's in: " + "; ".join(s["config_changes"]))
     return "\n".join(lines)
 
 
@@ -105,11 +109,11 @@ def layout_tensors(cfg: ModelConfig, parallel=None, parallel_state=None, seq_len
 
 def hf_to_moetron(src: str | os.PathLike, dst: str | os.PathLike, *, parallel=None, dtype: str = "keep",
                   overwrite: bool = False, progress: bool = True, file_bytes: int | None = None,
-                  chunk_bytes: int = CHUNK_BYTES, parallel_state=None) -> dict:
+                  chunk_bytes: int = CHUNK_BYTES, parallel_state=None, allow_nonfinite: bool = False) -> dict:
     """Convert hub folder `src` into a moetron checkpoint folder `dst` (`dst/step-00000000`,
     `dst/latest`). Under torch.distributed every rank converts its own shards of `parallel`'s
     layout (collective); in one process `parallel` is only validated and every tensor is written
-    whole. Returns a summary (see `format_summary`)."""
+    whole. A NaN/inf weight is refused unless `allow_nonfinite`. Returns a summary (see `format_summary`)."""
 
     start = time.perf_counter()
     rank, world = store._world()
@@ -145,11 +149,12 @@ def hf_to_moetron(src: str | os.PathLike, dst: str | os.PathLike, *, parallel=No
             lt, out_dtype = local[name], source.dtype_of(name)
             for lo, go, box_sizes in lt.placement.pieces:
                 writer.add_box(name, None, (go, box_sizes), lt.placement.global_shape, out_dtype,
-                               lambda box, name=name, d=out_dtype: source.read(name, box[0], box[1], dtype=d))
+                               lambda box, name=name, d=out_dtype: finite_or_raise(
+                                   source.read(name, box[0], box[1], dtype=d), name, src, allow_nonfinite))
         bar.total_tensors = sum(len(f) for f in writer.files)
         files = writer.write(bar)
         return {"files": files, "bytes": bar.bytes, "tensors": sum(len(f) for f in writer.files),
-                "dequantized": sorted(source.dequantized)}
+                "dequantized": sorted(source.dequantized), "checksums": writer.digests}
 
     def finish(tmp: Path, reports: list[dict]) -> None:
         layout = {"world_size": world, **{k: getattr(sizes, k) for k in ("tp", "cp", "dp", "pp", "ep", "etp")
@@ -158,12 +163,13 @@ def hf_to_moetron(src: str | os.PathLike, dst: str | os.PathLike, *, parallel=No
                 "files": {"model": [f for r in reports for f in r["files"]], "optimizer": []},
                 "tensors": plan.tensors, "optimizer": None, "layout": layout,
                 "model_config": json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
-                "hf_config": source.hf_config, "source": str(Path(src).resolve())}
-        (tmp / step_name / store.META).write_text(json.dumps(meta, indent=1))
-        (tmp / "latest").write_text(step_name)
+                "hf_config": source.hf_config, "source": str(Path(src).resolve()),
+                "checksums": {n: d for r in reports for n, d in r["checksums"].items()}}
+        write_durably(tmp / step_name / store.META, seal_meta(meta))
+        write_durably(tmp / "latest", step_name)
 
     try:
-        reports = store.commit_folder(dst, write, finish, overwrite=overwrite)
+        reports = store.commit_folder(dst, write, finish, overwrite=overwrite, what=f"converting {src}")
     finally:
         source.close()
     seconds = bar.close()
@@ -227,9 +233,10 @@ def moetron_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str 
     if Path(dst).exists() and not overwrite:
         raise FileExistsError(f"{dst} already exists; choose another path or allow overwriting (--overwrite)")
     folder = resolve_checkpoint(src)
-    meta = read_meta(folder)
+    meta = verify_checkpoint(folder, collective=False)  # checksums; NaN/inf tensors are refused while read
     cfg = _model_config(meta, folder)
     reader = StoreReader(folder, meta, ("model",))
+    reader.finite_only = True
     try:
         state = meta_model(cfg).state_dict()
         shapes = {n: tuple(t.shape) for n, t in state.items()}
@@ -264,14 +271,16 @@ def moetron_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str 
                 index = {"metadata": {"total_size": total},
                          "weight_map": {e.key: name for name, entries in zip(names, shards) for e in entries}}
                 (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2))
-            (tmp / "config.json").write_text(json.dumps(_hf_config(cfg, meta, dtype, shards), indent=2))
+            config_changes: list[str] = []
+            hf_config = _hf_config(cfg, meta, dtype, shards, config_changes)
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         seconds = bar.close()
     finally:
         reader.close()
     quantized = sum(1 for s in shards for e in s if e.key.endswith(SCALE_SUFFIX))
     return {"direction": "moetron-to-hf", "dst": str(dst), "tensors": sum(len(s) for s in shards), "bytes": total,
             "files": names, "seconds": max(seconds, time.perf_counter() - start), "quantized": quantized,
-            "source_keys": len(reader.names())}
+            "source_keys": len(reader.names()), "config_changes": config_changes}
 
 
 def _export_units(cfg, order, shapes, reader, dtype: str, fused: bool, chunk_bytes: int) -> list[list[Entry]]:
@@ -340,17 +349,27 @@ def _fp8_entries(hub_key: str, name: str, box: Box, hub_shape, reader, chunk_byt
             Entry(hub_key + SCALE_SUFFIX, torch.float32, expected_scale_shape(hub_shape), produce_scale)]
 
 
-def _hf_config(cfg: ModelConfig, meta: dict, dtype: str, shards) -> dict:
-    base = dict(meta.get("hf_config") or {})
-    base.update(config_to_hf(cfg))
-    base.pop("quantization_config", None)
+def _hf_config(cfg: ModelConfig, meta: dict, dtype: str, shards, changes: list[str] | None = None) -> dict:
+    """The source's config.json when the checkpoint came from one (meta `hf_config`), with only what
+    training changed on purpose updated (listed in `changes`); else one made from `cfg`."""
+    changes = [] if changes is None else changes
+    source = meta.get("hf_config")
+    if source:
+        loaded = _model_config({"model_config": meta.get("hf_model_config") or meta.get("model_config")}, "")
+        base, found = export_config(source, loaded, cfg)
+        changes += found
+    else:
+        base = config_to_hf(cfg)
+    if base.pop("quantization_config", None) is not None and dtype != "fp8":
+        changes.append("quantization_config: removed (the weights are written dequantized)")
     if dtype == "fp8":
         base["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                        "weight_block_size": [128, 128]}
-        base["torch_dtype"] = "bfloat16"
+        name = "bfloat16"
     elif dtype == "keep":
         first = next((e for s in shards for e in s if len(e.shape) == 2), None)
-        base["torch_dtype"] = str(first.dtype).removeprefix("torch.") if first else "float32"
+        name = str(first.dtype).removeprefix("torch.") if first else "float32"
     else:
-        base["torch_dtype"] = str(DTYPE_CHOICES[dtype]).removeprefix("torch.")
+        name = str(DTYPE_CHOICES[dtype]).removeprefix("torch.")
+    set_dtype(base, name, changes)
     return base

@@ -115,3 +115,45 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                   v_head_dim=cfg.v_head_dim, rope_interleave=cfg.rope_interleave,
                   num_nextn_predict_layers=cfg.num_mtp_layers)
     return hf
+
+
+# config.json keys that training may change on purpose without changing what the weights mean.
+TRAINING_KEYS = frozenset({"router_aux_loss_coef", "initializer_range", "torch_dtype", "dtype"})
+# ModelConfig fields a `--set model.*` may change on a loaded checkpoint (training-time options).
+TRAINING_FIELDS = frozenset({
+    "aux_loss_type", "aux_loss_coeff", "z_loss_coeff", "bias_update_rate", "capacity_factor", "drop_policy",
+    "pad_to_capacity", "expert_backend", "attention_backend", "recompute_modules", "recompute_every_n_layers",
+    "mtp_loss_weight", "init_std", "aux_loss_counts", "bias_update_counts"})
+
+
+def meaning_differences(new: ModelConfig, base: ModelConfig) -> list[tuple[str, object, object]]:
+    """`(config.json key, base value, new value)` wherever `new` gives the weights of `base` another
+    meaning (a shape, the routing, RoPE...); training-time keys are not compared. Fields a family
+    does not use (e.g. q_lora_rank of Qwen) never differ, because config_to_hf does not write them."""
+    a, b = config_to_hf(new), config_to_hf(base)
+    return [(k, b.get(k), a.get(k)) for k in sorted(set(a) | set(b))
+            if k not in TRAINING_KEYS and a.get(k) != b.get(k)]
+
+
+def export_config(source: dict, loaded: ModelConfig, trained: ModelConfig) -> tuple[dict, list[str]]:
+    """The source checkpoint's config.json with only the keys that training changed updated (e.g.
+    `router_aux_loss_coef` after `--set model.aux_loss_coeff=...`), and those changes as
+    `"key: old -> new"` lines. `loaded` is the ModelConfig as read from `source`."""
+    old, new = config_to_hf(loaded), config_to_hf(trained)
+    out, changes = dict(source), []
+    for key, value in new.items():
+        if key in ("torch_dtype", "initializer_range") or value == old.get(key):
+            continue
+        changes.append(f"{key}: {source.get(key)!r} -> {value!r}")
+        out[key] = value
+    return out, changes
+
+
+def set_dtype(config: dict, dtype_name: str, changes: list[str]) -> None:
+    """Record the stored dtype under the key the source uses (`dtype` in transformers 5,
+    `torch_dtype` before), listing it in `changes` when it differs."""
+    key = "dtype" if "dtype" in config else "torch_dtype"
+    if config.get(key) != dtype_name:
+        if key in config:
+            changes.append(f"{key}: {config[key]!r} -> {dtype_name!r}")
+        config[key] = dtype_name

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moetron.checkpoint.commit import storage_error
 from moetron.checkpoint.slices import CheckpointError, parse_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -91,6 +92,9 @@ def atomic_folder(dst: str | os.PathLike, overwrite: bool = False):
         if dst.exists():
             shutil.rmtree(dst)
         os.replace(tmp, dst)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise storage_error(exc, dst.parent, f"writing {dst.name}", "Nothing was written.") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

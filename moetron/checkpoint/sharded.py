@@ -5,26 +5,21 @@ Design notes: docs/checkpoints.md (`moetron/checkpoint/sharded.py`).
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from moetron.checkpoint.commit import _world, agree, all_gather_object, broadcast_object, commit_folder  # noqa: F401
 from moetron.checkpoint.safetensors_io import CheckpointError
+from moetron.checkpoint.verify import FORMAT, META, VERSION, read_meta  # noqa: F401
 from moetron.moe.experts import GroupedExperts
 from moetron.checkpoint.slices import (DTYPE_NAMES, DTYPES, Box, Entry, SafetensorsFile, flat_range_boxes, intersect,
                                    numel, relative, split_rows, write_safetensors)
 
-FORMAT = "moetron-sharded"
-VERSION = 1
-META = "meta.json"
 DEFAULT_FILE_BYTES = 4 * 1024**3  # per output file; a rank's data goes into as many as needed
 DEFAULT_CHUNK_BYTES = 512 * 1024**2  # boxes larger than this are stored as row-chunks
 
@@ -130,40 +125,6 @@ def parse_key(key: str, kind: str) -> tuple[str, str | None, tuple[int, ...] | N
     return name, slot, offsets
 
 
-# ---- collectives that work in one process too ----------------------------------------------
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def all_gather_object(obj):
-    rank, world = _world()
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_object(obj):
-    rank, world = _world()
-    if world == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def agree(error: str | None, what: str) -> None:
-    """Raise on every rank if any rank reports an error (so no rank is left in a collective)."""
-    errors = [e for e in all_gather_object(error) if e]
-    if errors:
-        raise CheckpointError(f"{what}:\n" + "\n".join(errors))
-
-
 # ---- who writes what -------------------------------------------------------------------------
 
 
@@ -261,6 +222,7 @@ class RankWriter:
         self.file_bytes, self.chunk_bytes = file_bytes, chunk_bytes
         self.files: list[list[Entry]] = [[]]
         self.sizes = [0]
+        self.digests: dict[str, dict] = {}  # file name -> CRC-32s as written (`write_safetensors`)
 
     def add_box(self, name: str, slot: str | None, global_box: Box, shape: Sequence[int],
                 dtype: torch.dtype, produce: Callable[[Box], torch.Tensor]) -> None:
@@ -285,7 +247,9 @@ class RankWriter:
         if not any(self.files):
             return []
         for name, entries in zip(names, self.files):
-            write_safetensors(self.folder / name, entries, {"format": "pt", "moetron": FORMAT}, on_bytes)
+            self.digests[name] = {}
+            write_safetensors(self.folder / name, entries, {"format": "pt", "moetron": FORMAT}, on_bytes,
+                              digest=self.digests[name])
         return names
 
 
@@ -323,6 +287,7 @@ class StoreReader:
     def __init__(self, folder: str | os.PathLike, meta: dict, kinds: Sequence[str] = ("model", "optimizer")):
         self.folder = Path(folder)
         self.meta = meta
+        self.finite_only = False  # True: a read box holding a NaN or inf is an error naming the tensor
         self.shapes = {n: tuple(t["shape"]) for n, t in meta.get("tensors", {}).items()}
         self.dtypes = {n: DTYPES[t["dtype"]] for n, t in meta.get("tensors", {}).items()}
         # (name, slot) -> stored boxes: (global offsets, sizes, file, key)
@@ -390,6 +355,9 @@ class StoreReader:
         if got != numel(want[1]):
             raise CheckpointError(f"{self.folder}: {name!r} region {want} is covered by {got} of "
                                   f"{numel(want[1])} elements")
+        if self.finite_only and out.is_floating_point() and not bool(torch.isfinite(out.float()).all()):
+            raise CheckpointError(f"{self.folder}: tensor {name!r}{'' if slot is None else ' ' + slot} holds "
+                                  "NaN or inf values; refusing to export it (resume an earlier checkpoint)")
         return out
 
     def close(self) -> None:
@@ -413,81 +381,3 @@ def read_local_flat(source, lt: LocalTensor, lo: int, hi: int, slot: str | None,
         for part, gbox in lt.placement.to_global(box):
             view[relative(part, box[0])] = source.read(lt.name, gbox[0], gbox[1], slot=slot, dtype=dtype)
     return out
-
-
-def read_meta(folder: str | os.PathLike) -> dict:
-    path = Path(folder) / META
-    if not path.exists():
-        raise FileNotFoundError(f"{folder}: not a checkpoint ({META} is missing)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-
-
-# ---- the commit protocol ---------------------------------------------------------------------
-
-
-def commit_folder(final: str | os.PathLike, write: Callable[[Path], object],
-                  finish: Callable[[Path, list], None], *, overwrite: bool = False,
-                  after: Callable[[], None] | None = None) -> list:
-    """Every rank runs `write(tmp)`; when all succeeded rank 0 runs `finish(tmp, reports)` and
-    renames `tmp` to `final`, then `after()`. Returns every rank's report. Collective."""
-    final = Path(final)
-    rank, _ = _world()
-    made = None
-    if rank == 0:
-        try:
-            if final.exists() and not overwrite:
-                raise FileExistsError(f"{final} already exists; choose another path or allow overwriting (--overwrite)")
-            final.parent.mkdir(parents=True, exist_ok=True)
-            made = str(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
-        except OSError as exc:
-            made = exc
-    made = broadcast_object(made if isinstance(made, str) else f"!{type(made).__name__}: {made}")
-    if made.startswith("!"):
-        if rank == 0 and "FileExistsError" in made:
-            raise FileExistsError(made[len("!FileExistsError: "):])
-        raise CheckpointError(f"{final}: cannot create a temporary folder: {made[1:]}")
-    tmp = Path(made)
-    local_exc, report = None, None
-    try:
-        report = write(tmp)
-    except Exception as exc:  # reported to every rank below, then re-raised here
-        local_exc = exc
-    results = all_gather_object(("ok", report) if local_exc is None else
-                                ("error", f"rank {rank}: {type(local_exc).__name__}: {local_exc}"))
-    failed = [msg for status, msg in results if status == "error"]
-    if failed:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if local_exc is not None:
-            raise local_exc
-        raise CheckpointError(f"{final}: writing failed on another rank, nothing was saved:\n" + "\n".join(failed))
-    reports = [r for _, r in results]
-    status = None
-    if rank == 0:
-        try:
-            finish(tmp, reports)
-            _replace(tmp, final)
-            if after is not None:
-                after()
-        except Exception as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            status = f"rank 0: {type(exc).__name__}: {exc}"
-            broadcast_object(status)
-            raise
-    status = broadcast_object(status)
-    if status:
-        raise CheckpointError(f"{final}: finishing failed, nothing was saved: {status}")
-    return reports
-
-
-def _replace(tmp: Path, final: Path) -> None:
-    old = None
-    if final.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-        os.replace(final, old / final.name)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

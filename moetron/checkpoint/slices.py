@@ -9,13 +9,12 @@ import json
 import math
 import os
 import struct
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-
 
 
 class CheckpointError(ValueError):
@@ -309,12 +308,15 @@ class Entry:
 
 
 def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry], metadata: dict | None = None,
-                      on_bytes: Callable[[int, bool], None] | None = None, fsync: bool = True) -> int:
+                      on_bytes: Callable[[int, bool], None] | None = None, fsync: bool = True,
+                      digest: dict | None = None) -> int:
     """Write `entries` as one safetensors file, producing each tensor only when its turn comes.
 
     `on_bytes(n, tensor_done)` is called after every chunk (progress). Returns the data bytes.
+    `digest`, when given, receives the CRC-32 of the whole file and of each tensor's bytes as
+    written (`{"bytes", "crc32", "tensors": {key: crc32}}`), recorded in a checkpoint's meta.json.
     A produced tensor whose dtype or total size differs from its entry is an error (the file is
-    left incomplete; callers write into a temporary folder).
+    left incomplete; callers write into a temporary folder). An OS error names the file.
     """
     header: dict = {"__metadata__": {k: str(v) for k, v in (metadata or {}).items()}}
     if not header["__metadata__"]:
@@ -328,27 +330,39 @@ def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry], metadat
         offset += e.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        for e in entries:
-            written = _write_entry(f, e, path, on_bytes)
-            if written != e.nbytes:
-                raise RuntimeError(f"{path}: key {e.key!r} planned as {list(e.shape)} ({e.nbytes} bytes), "
-                                   f"produced {written} bytes")
-            if on_bytes is not None:
-                on_bytes(0, True)
-        if fsync:
-            os.fsync(f.fileno())
+    head = struct.pack("<Q", len(text)) + text
+    crc = [zlib.crc32(head), {}]
+    try:
+        with open(path, "wb") as f:
+            f.write(head)
+            for e in entries:
+                written = _write_entry(f, e, path, on_bytes, crc)
+                if written != e.nbytes:
+                    raise RuntimeError(f"{path}: key {e.key!r} planned as {list(e.shape)} ({e.nbytes} bytes), "
+                                       f"produced {written} bytes")
+                if on_bytes is not None:
+                    on_bytes(0, True)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError as exc:
+        if exc.filename is None:  # f.write() errors name no file
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+        raise
+    if digest is not None:
+        digest.update(bytes=len(head) + offset, crc32=crc[0], tensors=crc[1])
     return offset
 
 
-def _write_entry(f, e: Entry, path, on_bytes) -> int:
+def _write_entry(f, e: Entry, path, on_bytes, crc: list) -> int:
     """Write one entry's chunks; returns the bytes produced. (A function of its own so that no
-    chunk outlives it: the next entry's data is produced only after this one's is released.)"""
+    chunk outlives it: the next entry's data is produced only after this one's is released.)
+    `crc`: [the file's running CRC-32, {key: CRC-32}], updated."""
     produced = e.produce()
     chunks = [produced] if isinstance(produced, torch.Tensor) else produced
     del produced
     written = 0
+    key_crc = 0
     for chunk in chunks:
         if chunk.dtype != e.dtype:
             raise RuntimeError(f"{path}: key {e.key!r} planned as {e.dtype}, produced {chunk.dtype}")
@@ -359,8 +373,12 @@ def _write_entry(f, e: Entry, path, on_bytes) -> int:
         if written > e.nbytes:
             break
         if n:
-            f.write(memoryview(data))
+            view = memoryview(data)
+            f.write(view)
+            crc[0] = zlib.crc32(view, crc[0])
+            key_crc = zlib.crc32(view, key_crc)
         del data
         if on_bytes is not None:
             on_bytes(n, False)
+    crc[1][e.key] = key_crc
     return written

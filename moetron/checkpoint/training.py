@@ -23,8 +23,9 @@ from moetron.checkpoint.sharded import (
     FORMAT, META, VERSION, LocalTensor, RankWriter, StoreReader, _world, agree, all_gather_object, commit_folder,
     local_tensors, plan_writes, read_local, read_local_flat, read_meta, write_flat_range, write_local_boxes,
 )
-
-LATEST = "latest"
+from moetron.checkpoint.commit import fault_point, write_durably
+from moetron.checkpoint.save_dir import LATEST, mark_latest
+from moetron.checkpoint.verify import nonfinite, seal_meta, verify_checkpoint
 HYPER = ("lr", "betas", "eps", "weight_decay")
 RNG_FILE = "rng.safetensors"
 
@@ -212,6 +213,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
     root = Path(root)
     local = local_tensors(modules or [model], parallel_state)
     opt = _adapter(optimizer, local)
+    _refuse_nonfinite(local, opt, f"cannot save the checkpoint of step {step} to {root}")
     plan = plan_writes(local, None if opt is None else opt.ranges())
     rank, world = _world()
 
@@ -227,26 +229,32 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.get_rng_state()
         fp8 = _fp8_state(model)
-        fp8_files = []
+        fp8_files, digests = [], {}
         if fp8:  # per-rank state (amax of this rank's shards and tokens): kept per rank
             fp8_files = ["fp8.safetensors" if world == 1 else f"fp8-{rank:05d}.safetensors"]
+            digests[fp8_files[0]] = {}
             write_safetensors(tmp / fp8_files[0], [Entry(k, v.dtype, tuple(v.shape), lambda v=v: v)
-                                                   for k, v in fp8.items()])
-        return {"model": model_files.write(), "optimizer": optim_files.write(), "rng": rng, "fp8": fp8_files}
+                                                   for k, v in fp8.items()], digest=digests[fp8_files[0]])
+        report = {"model": model_files.write(), "optimizer": optim_files.write(), "rng": rng, "fp8": fp8_files}
+        report["checksums"] = {**digests, **model_files.digests, **optim_files.digests}
+        return report
 
     def finish(tmp: Path, reports: list[dict]) -> None:
         rng = {k: torch.stack([r["rng"][k] for r in reports]) for k in reports[0]["rng"]}
-        write_safetensors(tmp / RNG_FILE, [Entry(k, v.dtype, tuple(v.shape), lambda v=v: v) for k, v in rng.items()])
+        checksums = {name: d for r in reports for name, d in r["checksums"].items()}
+        checksums[RNG_FILE] = {}
+        write_safetensors(tmp / RNG_FILE, [Entry(k, v.dtype, tuple(v.shape), lambda v=v: v) for k, v in rng.items()],
+                          digest=checksums[RNG_FILE])
         meta = {"format": FORMAT, "version": VERSION, "step": step,
                 "files": {"model": [f for r in reports for f in r["model"]],
                           "optimizer": [f for r in reports for f in r["optimizer"]],
-                          "fp8": [f for r in reports for f in r["fp8"]]},
+                          "fp8": [f for r in reports for f in r["fp8"]], "rng": [RNG_FILE]},
                 "tensors": plan.tensors, "optimizer": None if opt is None else opt.meta(),
                 "layout": _layout(parallel_state), "model_config": _config_json(model),
-                "recipe": _recipe_json(recipe), **(extra_meta or {})}
+                "recipe": _recipe_json(recipe), **(extra_meta or {}), "checksums": checksums}
         if opt is not None and world > 1:  # every rank's group lists hold only its own names
             meta["optimizer"] = _merge_groups([r["optimizer_meta"] for r in reports])
-        (tmp / META).write_text(json.dumps(meta, indent=1))
+        write_durably(tmp / META, seal_meta(meta))
 
     def write_with_meta(tmp: Path) -> dict:
         report = write(tmp)
@@ -256,13 +264,29 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
 
     target = _step_dir(root, step)
 
-    def mark_latest() -> None:
-        tmp_latest = root / f".{LATEST}.tmp"
-        tmp_latest.write_text(target.name)
-        os.replace(tmp_latest, root / LATEST)
+    def after() -> None:
+        mark_latest(root, target.name)
+        fault_point("latest")
 
-    commit_folder(target, write_with_meta, finish, overwrite=True, after=mark_latest)
+    commit_folder(target, write_with_meta, finish, overwrite=True, after=after,
+                  what=f"saving the checkpoint of step {step}")
     return target
+
+
+def _refuse_nonfinite(local: dict[str, LocalTensor], opt, what: str) -> None:
+    """Raise on every rank when any rank holds a NaN/inf parameter or optimizer state (named)."""
+    named = [(name, lt.tensor) for name, lt in local.items()]
+    if opt is not None:
+        for name, lo, hi in [(n, lo, hi) for n, (lo, hi) in opt.ranges().items()]:
+            for slot, (flat, flat_lo) in opt.slot_data(name).items():
+                named.append((f"{name} (optimizer {slot})", flat[lo - flat_lo:hi - flat_lo]))
+    bad = nonfinite(named)
+    rank, world = _world()
+    error = None
+    if bad:
+        error = (f"non-finite values (NaN/inf) in {len(bad)} tensor(s)" + (f" on rank {rank}" if world > 1 else "")
+                 + f": {', '.join(bad[:8])}" + (" ..." if len(bad) > 8 else ""))
+    agree(error, f"{what}; the previous checkpoint stays latest")
 
 
 def _merge_groups(metas: list[dict]) -> dict:
@@ -292,13 +316,14 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
 
 
 def load_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
-                    parallel_state=None, modules=None, load_rng: bool = True) -> int:
+                    parallel_state=None, modules=None, load_rng: bool = True, verify: bool = True) -> int:
     """Restore model, optimizer and RNG from `folder` (saved under any layout) into this rank's
-    shards; returns the number of completed steps. Collective when torch.distributed is up."""
+    shards; returns the number of completed steps. Collective when torch.distributed is up.
+    `verify`: check meta.json and every file's checksum first (`verify.verify_checkpoint`)."""
     folder = Path(folder)
     if not (folder / META).exists():
         raise FileNotFoundError(f"{folder}: checkpoint is incomplete, {META} is missing")
-    meta = read_meta(folder)
+    meta = verify_checkpoint(folder) if verify else read_meta(folder)
     files = meta.get("files") or {"model": ["model.safetensors"], "optimizer": ["optimizer.safetensors"]}
     kinds = ["model"] + (["optimizer"] if optimizer is not None and meta.get("optimizer") else [])
     for kind in kinds:
@@ -320,6 +345,7 @@ def load_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer
                     raise
             if _world()[1] > 1:
                 agree(error, f"{folder}: the optimizer state does not fit")
+            _refuse_nonfinite(local, _adapter(optimizer, local), f"{folder}: refusing the loaded optimizer state")
     finally:
         reader.close()
     if load_rng and (folder / RNG_FILE).exists():
@@ -391,6 +417,7 @@ def load_model_tensors(source, local: dict[str, LocalTensor], what: str) -> None
         error = f"rank {rank}: {exc}"
     if world > 1:
         agree(error, f"{what}: reading failed")
+    _refuse_nonfinite(local, None, f"{what}: refusing the loaded weights")
 
 
 def _restore_rng(path: Path) -> None:

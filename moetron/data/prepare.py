@@ -5,7 +5,6 @@ Design notes: docs/data.md (`moetron/data/prepare.py`).
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -16,8 +15,9 @@ import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
+from moetron.data.documents import PIECE_CHARS, Source, document_pieces, read_documents  # noqa: F401
 from moetron.progress import ProgressBar
 
 FORMAT = "moetron.packed"
@@ -97,100 +97,6 @@ def input_format(path: Path, fmt: str = "auto") -> str:
     return "jsonl" if suffixes and suffixes[-1] in JSONL_SUFFIXES else "text"
 
 
-class _Source:
-    """A binary line reader over a plain or gzip file that knows how far into the file it is."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.raw = open(path, "rb")
-        self.stream = gzip.GzipFile(fileobj=self.raw) if path.suffix.lower() == ".gz" else self.raw
-
-    def position(self) -> int:
-        try:
-            return self.raw.tell()
-        except (OSError, ValueError):
-            return 0
-
-    def close(self) -> None:
-        if self.stream is not self.raw:
-            self.stream.close()
-        self.raw.close()
-
-
-def _decode(data: bytes, path: Path, lineno: int | None, errors: str) -> str:
-    """UTF-8 text of one line (`lineno`) or of a whole file (`lineno=None`)."""
-    try:
-        return data.decode("utf-8", errors=errors)
-    except UnicodeDecodeError as exc:
-        where = "line" if lineno is not None else "file"
-        if lineno is None:
-            lineno = data.count(b"\n", 0, exc.start) + 1
-        raise ValueError(f"{path}:{lineno}: not valid UTF-8 ({exc.reason} at byte {exc.start} of the {where}); "
-                         "re-encode the file as UTF-8 or pass --errors replace") from exc
-
-
-def _check_encodable(text: str, path: Path, lineno: int, errors: str) -> str:
-    """JSON can spell lone surrogates (\\ud800), which are not text: reject or replace them."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError as exc:
-        if errors == "replace":
-            return text.encode("utf-8", errors="replace").decode("utf-8")
-        raise ValueError(f"{path}:{lineno}: the text holds a lone surrogate ({exc.object[exc.start:exc.end]!r} "
-                         f"at character {exc.start}), which is not valid Unicode; fix the line or pass "
-                         "--errors replace") from exc
-
-
-def read_documents(source: _Source, fmt: str, *, text_key: str = "text", text_mode: str = "file",
-                   errors: str = "strict") -> Iterator[str]:
-    """Documents of one input, streamed. Blank lines are skipped in JSONL and separate documents
-    in 'line' / 'paragraph' text mode; a whole text file is one document in 'file' mode."""
-    path, stream = source.path, source.stream
-    if fmt == "jsonl":
-        for lineno, raw in enumerate(stream, 1):
-            if not raw.strip():
-                continue
-            line = _decode(raw, path, lineno, errors)
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                                 "expected one JSON object per line") from exc
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with a {text_key!r} field, "
-                                 f"got a {type(record).__name__}")
-            if text_key not in record:
-                keys = ", ".join(repr(k) for k in list(record)[:10])
-                raise ValueError(f"{path}:{lineno}: no {text_key!r} field (the object has {keys or 'no keys'}); "
-                                 "name the text field with --text-key")
-            text = record[text_key]
-            if not isinstance(text, str):
-                raise ValueError(f"{path}:{lineno}: field {text_key!r} is not a string (it holds {type(text).__name__} "
-                                 f"{str(text)[:40]})")
-            yield _check_encodable(text, path, lineno, errors)
-    elif text_mode == "file":
-        text = _decode(stream.read(), path, None, errors)
-        yield text[1:] if text.startswith("\ufeff") else text
-    else:
-        paragraph: list[str] = []
-        for lineno, raw in enumerate(stream, 1):
-            line = _decode(raw, path, lineno, errors)
-            if lineno == 1 and line.startswith("\ufeff"):
-                line = line[1:]
-            if text_mode == "line":
-                line = line.rstrip("\r\n")
-                if line.strip():
-                    yield line
-            elif line.strip():
-                paragraph.append(line)
-            elif paragraph:
-                yield "".join(paragraph).rstrip("\r\n")
-                paragraph = []
-        if paragraph:
-            yield "".join(paragraph).rstrip("\r\n")
-
-
 @dataclass
 class PrepareSummary:
     output: Path
@@ -236,6 +142,13 @@ def is_prepared(folder: str | os.PathLike) -> bool:
         return False
 
 
+def _free_space(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 1e9:.2f} GB free"
+    except OSError:
+        return "free space unknown"
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -253,13 +166,15 @@ def _write(f, values: array) -> None:
 
 def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLike, output: str | os.PathLike, *,
             text_key: str = "text", text_mode: str = "file", input_fmt: str = "auto", separator: str | None = None,
-            overwrite: bool = False, errors: str = "strict", batch_docs: int = 1024, batch_chars: int = 4 << 20,
-            log: Callable[[str], None] = print, progress: bool | None = None) -> PrepareSummary:
+            overwrite: bool = False, errors: str = "strict", batch_docs: int = 1024, batch_chars: int = 1 << 20,
+            piece_chars: int = PIECE_CHARS, log: Callable[[str], None] = print,
+            progress: bool | None = None) -> PrepareSummary:
     """Tokenize `inputs` (files or folders of .txt / .jsonl[.gz]) into the prepared folder `output`.
 
     `text_mode` says what a document is in a text file: the whole 'file', each non-blank
-    'line', or each blank-line-separated 'paragraph' (a 'file' document is read whole, so
-    use 'line' or 'paragraph' for single huge files). JSONL documents are the `text_key`
+    'line', or each blank-line-separated 'paragraph'. Text is read and tokenized in pieces of at
+    most `piece_chars` characters cut between words (`moetron.data.documents`), so memory does not
+    grow with a document's length; `batch_chars` bounds one tokenizer call. JSONL documents are the `text_key`
     field of each line's object. `separator` is the end-of-document token (default: the
     tokenizer's usual one); special tokens spelled in the text are tokenized as plain text, so
     only the separators prepare adds mark boundaries. Documents that tokenize to nothing are
@@ -273,8 +188,8 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLike, o
         raise ValueError(f"input format {input_fmt!r}: choose auto, text or jsonl")
     if errors not in ("strict", "replace"):
         raise ValueError(f"errors={errors!r}: choose strict or replace")
-    if batch_docs < 1 or batch_chars < 1:
-        raise ValueError("batch_docs and batch_chars must be >= 1")
+    if batch_docs < 1 or batch_chars < 1 or piece_chars < 1:
+        raise ValueError("batch_docs, batch_chars and piece_chars must be >= 1")
     output = Path(output)
     if output.exists() and not overwrite:
         raise FileExistsError(f"output {str(output)!r} already exists; pass --overwrite to replace it")
@@ -316,34 +231,41 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLike, o
             _write(index_f, array("q", [0]))
             for file_no, path in enumerate(files, 1):
                 fmt = input_format(path, input_fmt)
-                src = _Source(path)
+                src = Source(path)
                 counts = {"path": str(path), "format": fmt, "documents": 0, "tokens": 0, "skipped_empty": 0}
                 try:
-                    docs = read_documents(src, fmt, text_key=text_key, text_mode=text_mode, errors=errors)
+                    pieces = document_pieces(src, fmt, text_key=text_key, text_mode=text_mode, errors=errors,
+                                             piece_chars=piece_chars)
+                    doc_tokens = 0  # of the document whose pieces are being tokenized
                     while True:
-                        batch, chars = [], 0
-                        for text in docs:
+                        batch, ends, chars = [], [], 0
+                        for text, last in pieces:
                             batch.append(text)
+                            ends.append(last)
                             chars += len(text)
                             if len(batch) >= batch_docs or chars >= batch_chars:
                                 break
                         if not batch:
                             break
                         ids_buf, offsets = array(typecode), array("q")
-                        for enc in encode(batch, add_special_tokens=False):
+                        for enc, last in zip(encode(batch, add_special_tokens=False), ends):
                             ids = enc.ids
-                            if not ids:
-                                counts["skipped_empty"] += 1
-                                continue
                             try:
                                 ids_buf.extend(ids)
                             except OverflowError as exc:
                                 raise ValueError(f"{path}: the tokenizer produced a token id above {dtype}'s range "
                                                  f"although its vocabulary has {vocab_size} tokens") from exc
+                            doc_tokens += len(ids)
+                            if not last:
+                                continue
+                            if not doc_tokens:
+                                counts["skipped_empty"] += 1
+                                continue
                             ids_buf.append(sep_id)
-                            num_tokens += len(ids) + 1
+                            num_tokens += doc_tokens + 1
                             offsets.append(num_tokens)
-                            counts["tokens"] += len(ids) + 1
+                            counts["tokens"] += doc_tokens + 1
+                            doc_tokens = 0
                         if ids_buf and max(ids_buf) >= vocab_size:
                             raise ValueError(f"{path}: the tokenizer produced token id {max(ids_buf)}, outside its "
                                              f"vocabulary of {vocab_size}")
@@ -394,6 +316,15 @@ def prepare(inputs: Sequence[str | os.PathLike], tokenizer: str | os.PathLike, o
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, output)
+    except OSError as exc:
+        bar.clear()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, FileNotFoundError) and exc.filename and Path(exc.filename) in files:
+            raise
+        where = exc.filename or f"writing into {tmp.name}"
+        raise OSError(exc.errno, f"preparing {output} failed: {exc.strerror or exc} ({where}); "
+                                 f"{_free_space(output.parent)} in {output.parent}; nothing was kept "
+                                 "(the partial folder was removed)") from exc
     except BaseException:
         bar.clear()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -151,7 +151,8 @@ class FlexBuffer:
         if num_experts % size:
             raise ValueError(f"the dispatch group has {size} ranks, which does not divide "
                              f"num_experts={num_experts}: every rank must own the same number of experts")
-        self.group, self.num_ranks, self.rank = group, size, rank
+        # The group itself lives in the backend, held weakly (flex_backends.GroupRef).
+        self.num_ranks, self.rank = size, rank
         self.num_experts, self.num_local_experts = num_experts, num_experts // size
         self.fp8, self.fp8_power_of_two = fp8, fp8_power_of_two
         self.backend = make_backend(backend, group, num_experts, **backend_options)
@@ -328,7 +329,7 @@ class FlexTokenDispatcher:
 
     def __init__(self, group, num_experts: int, *, etp: int = 1, backend: str = "torch",
                  pad_multiple: int = 1, pad_to_capacity: bool = False, fp8: bool = False,
-                 fp8_power_of_two: bool = False, **backend_options):
+                 fp8_power_of_two: bool = False, top_k: int | None = None, **backend_options):
         _, size, rank = resolve_group(group)
         if etp < 1 or size % etp:
             raise ValueError(f"etp={etp} does not divide the dispatch group size {size}")
@@ -341,6 +342,15 @@ class FlexTokenDispatcher:
         # One flex "expert" per (expert, ETP rank): group rank g owns ids g*L ... g*L+L-1.
         self.flex = FlexBuffer(group, num_experts * etp, backend, fp8=fp8,
                                    fp8_power_of_two=fp8_power_of_two, **backend_options)
+        if top_k is not None:  # known when built (MoELayer): check the backend's limit now
+            self._check_columns(top_k)
+
+    def _check_columns(self, top_k: int) -> None:
+        """Each token sends top_k*etp (expert, ETP rank) columns; some backends cap them."""
+        limit = self.flex.backend.max_topk_columns
+        if limit is not None and top_k * self.etp > limit:
+            raise ValueError(f"flex_backend={self.flex.backend.name}: top_k*etp = {top_k * self.etp} exceeds "
+                             f"the backend's {limit} top-k columns; lower etp or use the torch backend")
 
     def _flex_routing(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         idx, w = routing.topk_idx, routing.topk_weights
@@ -356,6 +366,8 @@ class FlexTokenDispatcher:
     def dispatch_start(self, x_TH: torch.Tensor, routing: Routing) -> PendingDispatch:
         if routing.num_experts != self.num_experts:
             raise ValueError(f"routing is over {routing.num_experts} experts, dispatcher over {self.num_experts}")
+        self._check_columns(routing.topk_idx.shape[1])
+        self.flex.backend.reserve(x_TH.shape[1], x_TH.dtype)  # before the layout: never a Buffer for hidden 0
         topk_idx, topk_weights = self._flex_routing(routing)
         per_rank, per_expert, in_rank, _ = self.flex.get_dispatch_layout(topk_idx)
         recv_x, recv_idx, recv_w, _, handle, event = self.flex.dispatch(

@@ -5,6 +5,7 @@ Design notes: docs/dispatch.md (`moetron/dispatch/flex_backends.py`).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,43 @@ def resolve_group(group) -> tuple[dist.ProcessGroup | None, int, int]:
     if group is None:
         return None, 1, 0
     raise TypeError(f"expected a moetron Group, a ProcessGroup or None, got {type(group).__name__}")
+
+
+class GroupRef:
+    """A process group held weakly, with its size and this rank's index.
+
+    A dispatcher must not keep a ProcessGroup alive after `dist.destroy_process_group()`: a gloo
+    group that lives on until interpreter exit aborts the process there about half the time
+    (`terminate called without an active exception`), see docs/dispatch.md.
+    """
+
+    def __init__(self, group) -> None:
+        handle, self.size, self.rank = resolve_group(group)
+        self._ref = None if handle is None else weakref.ref(handle)
+
+    @property
+    def handle(self) -> dist.ProcessGroup | None:
+        if self._ref is None:
+            return None
+        handle = self._ref()
+        if handle is None:
+            raise RuntimeError("the flex dispatcher's process group was destroyed (dist.destroy_process_group); "
+                               "build a new dispatcher on a live group")
+        return handle
+
+
+def layout_of(topk_idx: torch.Tensor, num_experts: int, size: int):
+    """DeepEP's dispatch layout: (tokens per rank [R] int32, tokens per expert [E] int32,
+    is_token_in_rank [T,R] bool) of `topk_idx` for `size` ranks owning `num_experts / size` each."""
+    L = num_experts // size
+    valid = topk_idx >= 0
+    safe = topk_idx.clamp_min(0)
+    per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+    per_expert.index_add_(0, safe.reshape(-1), valid.reshape(-1).to(torch.int32))
+    hits = torch.zeros(topk_idx.shape[0], size, dtype=torch.int32, device=topk_idx.device)
+    hits.scatter_add_(1, torch.div(safe, L, rounding_mode="floor"), valid.to(torch.int32))
+    in_rank = hits > 0
+    return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -75,13 +113,22 @@ class TorchBackend:
     """
 
     name = "torch"
+    max_topk_columns: int | None = None  # no limit
 
     def __init__(self, group, num_experts: int, **options):
         if options:
             raise TypeError(f"backend 'torch' takes no options, got {sorted(options)}")
-        self.group, self.size, self.rank = resolve_group(group)
+        self.group_ref = GroupRef(group)
+        self.size, self.rank = self.group_ref.size, self.group_ref.rank
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.size
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self.group_ref.handle
+
+    def reserve(self, hidden: int, dtype: torch.dtype) -> None:
+        """Backends with preallocated buffers size them for rows of `hidden` values of `dtype`."""
 
     # --- the one communication primitive (NVSHMEM overrides it) ---------------------------
     def exchange(self, send: torch.Tensor, send_splits: list[int] | None,
@@ -98,15 +145,7 @@ class TorchBackend:
 
     # --- layout -------------------------------------------------------------------------
     def layout(self, topk_idx: torch.Tensor):
-        E, L, R = self.num_experts, self.num_local_experts, self.size
-        valid = topk_idx >= 0
-        safe = topk_idx.clamp_min(0)
-        per_expert = torch.zeros(E, dtype=torch.int32, device=topk_idx.device)
-        per_expert.index_add_(0, safe.reshape(-1), valid.reshape(-1).to(torch.int32))
-        hits = torch.zeros(topk_idx.shape[0], R, dtype=torch.int32, device=topk_idx.device)
-        hits.scatter_add_(1, torch.div(safe, L, rounding_mode="floor"), valid.to(torch.int32))
-        in_rank = hits > 0
-        return in_rank.sum(0, dtype=torch.int32), per_expert, in_rank
+        return layout_of(topk_idx, self.num_experts, self.size)
 
     # --- dispatch -----------------------------------------------------------------------
     def dispatch(self, payloads, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,

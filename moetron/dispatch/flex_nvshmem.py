@@ -3,6 +3,8 @@ symmetric memory (`torch.ops.symm_mem.all_to_all_vdev`, torch >= 2.11). GPU only
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from moetron.dispatch.flex_backends import TorchBackend
@@ -23,6 +25,41 @@ def _require_nvshmem() -> None:
         raise unavailable("this torch build has no NVSHMEM (libnvshmem_host.so.3 not found)")
     if not hasattr(torch.ops.symm_mem, "all_to_all_vdev"):
         raise unavailable("this torch has no torch.ops.symm_mem.all_to_all_vdev")
+
+
+class SymmetricBuffers:
+    """The symmetric buffers of one process group, shared by every nvshmem flex dispatcher on it
+    (one set per wire dtype and row shape, grown collectively when a larger dispatch needs it)."""
+
+    def __init__(self, group) -> None:
+        self.group_ref, self.size = weakref.ref(group), group.size()
+        self.buffers: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+    def get(self, symm_mem, dtype, row_shape, rows, device):
+        key = (dtype, tuple(row_shape), device)
+        bufs = self.buffers.get(key)
+        if bufs is None or bufs[0].shape[0] < rows:  # collective: every rank reaches it alike
+            self.buffers.pop(key, None)  # release the smaller set first
+            name = self.group_ref().group_name
+            inp = symm_mem.empty((rows, *row_shape), dtype=dtype, device=device)
+            out = symm_mem.empty((rows, *row_shape), dtype=dtype, device=device)
+            in_splits = symm_mem.empty(self.size, dtype=torch.int64, device=device)
+            out_splits_offsets = symm_mem.empty((2, self.size), dtype=torch.int64, device=device)
+            for t in (inp, out, in_splits, out_splits_offsets):
+                symm_mem.rendezvous(t, name)
+            bufs = self.buffers[key] = (inp, out, in_splits, out_splits_offsets)
+        return bufs
+
+
+_SHARED: dict[str, SymmetricBuffers] = {}
+
+
+def shared_symmetric_buffers(group) -> SymmetricBuffers:
+    """This process's SymmetricBuffers for `group` (a new group of a reused name gets new ones)."""
+    entry = _SHARED.get(group.group_name)
+    if entry is None or entry.group_ref() is not group:
+        entry = _SHARED[group.group_name] = SymmetricBuffers(group)
+    return entry
 
 
 class NvshmemBackend(TorchBackend):
@@ -46,21 +83,10 @@ class NvshmemBackend(TorchBackend):
         symm_mem.set_backend("NVSHMEM")
         self._symm_mem = symm_mem
         self.max_rows = self.size * max_tokens_per_rank
-        self._buffers: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._shared = shared_symmetric_buffers(self.group) if self.group is not None else None
 
     def _buffers_for(self, dtype, row_shape, rows, device):
-        key = (dtype, tuple(row_shape), device)
-        bufs = self._buffers.get(key)
-        if bufs is None or bufs[0].shape[0] < rows:  # collective: every rank reaches it alike
-            sm, name = self._symm_mem, self.group.group_name
-            inp = sm.empty((rows, *row_shape), dtype=dtype, device=device)
-            out = sm.empty((rows, *row_shape), dtype=dtype, device=device)
-            in_splits = sm.empty(self.size, dtype=torch.int64, device=device)
-            out_splits_offsets = sm.empty((2, self.size), dtype=torch.int64, device=device)
-            for t in (inp, out, in_splits, out_splits_offsets):
-                sm.rendezvous(t, name)
-            bufs = self._buffers[key] = (inp, out, in_splits, out_splits_offsets)
-        return bufs
+        return self._shared.get(self._symm_mem, dtype, row_shape, rows, device)
 
     def exchange(self, send, send_splits, recv_splits, async_op):
         if self.size == 1:

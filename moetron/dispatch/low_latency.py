@@ -75,6 +75,8 @@ def low_latency_dispatch(backend, x: torch.Tensor, topk_idx: torch.Tensor,
 
     # Outputs are allocated now and filled on arrival (fixed shapes, on the device).
     outs = [r.new_empty((L, R * M, *r.shape[1:])) for r in rows]
+    if use_fp8:  # scales [L, R*M, nb] stored column-major, as DeepEP returns them (TMA layout)
+        outs[1] = rows[1].new_empty((L, rows[1].shape[1], R * M)).transpose(1, 2)
     recv_count = torch.empty(L, dtype=torch.int32, device=device)
     src_slot = torch.empty(L, R * M, dtype=torch.int64, device=device)
 

@@ -1,4 +1,5 @@
-"""Build and load `moetron/csrc/permute_cpu.cpp` on first use, once per machine.
+"""Build and load moetron's CPU kernels (`moetron/csrc/permute_cpu.cpp`, `swiglu_cpu.cpp`: one library)
+on first use, once per machine.
 
 `torch.utils.cpp_extension.load` compiles the file with ninja into
 `$TORCH_EXTENSIONS_DIR/moetron_permute_cpu-torch<version>-py<ver>/` (default
@@ -16,9 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import sys
+import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,6 +31,7 @@ log = logging.getLogger(__name__)
 
 EXTENSION_NAME = "moetron_permute_cpu"
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "permute_cpu.cpp"
+SWIGLU_SOURCE = SOURCE.with_name("swiglu_cpu.cpp")  # built with SOURCE: one library, one build
 # -ffp-contract=off: no FMA contraction, the fused numerics equal the torch reference bit for bit.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 
@@ -50,17 +55,54 @@ def _missing_tool() -> str | None:
         return "torch.utils.cpp_extension is unavailable"
     if not is_ninja_available():
         return "ninja is not installed (pip install ninja)"
-    if not SOURCE.is_file():
-        return f"source {SOURCE} not found (moetron installed without csrc/)"
+    for source in _sources():
+        if not source.is_file():
+            return f"source {source} not found (moetron installed without csrc/)"
     return None
 
 
-def build_directory() -> Path:
-    """Per torch version and Python: a library built against one torch is never loaded by another."""
+def _sources() -> tuple[Path, ...]:
+    return SOURCE, SWIGLU_SOURCE
+
+
+def build_directory(name: str = EXTENSION_NAME) -> Path:
+    """Per torch version and Python: a library built against one torch is never loaded by another.
+
+    The cached library is code this process will run, so the folder must be this user's and not
+    writable by others (nor may its parent let others replace it); otherwise a private folder under
+    the temporary directory is used instead, with a warning (`cache_problem`)."""
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions")
     tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}".replace("+", "_")
-    return Path(base) / f"{EXTENSION_NAME}-{tag}"
+    directory = Path(base) / f"{name}-{tag}"
+    problem = cache_problem(directory)
+    if problem is None:
+        return directory
+    private = Path(tempfile.gettempdir()) / f"moetron-torch-extensions-{os.getuid()}"
+    private.mkdir(mode=0o700, exist_ok=True)
+    fallback = private / directory.name
+    if cache_problem(fallback) is not None:
+        raise CppBuildError(f"no safe folder to build {name} in: {problem}; and {cache_problem(fallback)}")
+    warnings.warn(f"{problem}: building {name} in {fallback} instead (set TORCH_EXTENSIONS_DIR to a folder of "
+                  "your own that others cannot write)")
+    return fallback
+
+
+def cache_problem(directory: Path) -> str | None:
+    """Why a library cached in `directory` could be someone else's code, or None when it is safe."""
+    uid = os.getuid()
+    for path, role in ((directory, "the C++ build cache"), (directory.parent, "its parent folder")):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        if role == "its parent folder" and st.st_mode & stat.S_ISVTX:
+            continue  # a sticky folder (/tmp): others cannot rename our folder away
+        if st.st_uid != uid:
+            return f"{role} {path} belongs to user {st.st_uid}, not to this user ({uid})"
+        if st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != os.getgid()):  # a private group is fine
+            return f"{role} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -85,13 +127,13 @@ def load_permute_ops(verbose: bool = False):
 
                     directory = build_directory()
                     directory.mkdir(parents=True, exist_ok=True)
-                    load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                    load(name=EXTENSION_NAME, sources=[str(s) for s in _sources()], extra_cflags=CFLAGS,
                          extra_ldflags=["-fopenmp"], build_directory=str(directory),
                          is_python_module=False, verbose=verbose)
                     _result = (True, "built")
                 except Exception as exc:  # a compiler error, a missing header, a load failure
                     log.debug("building %s failed", EXTENSION_NAME, exc_info=True)
-                    _result = (False, f"building {SOURCE.name} failed: {_one_line(exc)}")
+                    _result = (False, f"building {' + '.join(s.name for s in _sources())} failed: {_one_line(exc)}")
                 _build_seconds = time.perf_counter() - start
     ok, reason = _result
     if not ok:
@@ -114,3 +156,9 @@ def cpp_status(build: bool = False) -> tuple[bool, str]:
 def build_seconds() -> float | None:
     """Seconds the first `load_permute_ops` call in this process took (build or cache load)."""
     return _build_seconds
+
+
+def load_swiglu_ops(verbose: bool = False):
+    """The fused SwiGLU ops of the same library (`torch.ops.moetron_swiglu`); see `load_permute_ops`."""
+    load_permute_ops(verbose)
+    return torch.ops.moetron_swiglu

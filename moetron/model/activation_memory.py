@@ -338,18 +338,18 @@ def _moe(out: LayerActivations, cfg: ModelConfig, T: int, B: int, b: int, mods, 
     out.add("routing weights mask", T * k)  # Routing.from_topk masks dropped slots (bool)
     # dispatch / combine (torch permute)
     out.add("permute token index", N * 8)  # index_select; index_add reuses it
-    out.add("unpermute slot index", N * 8)
-    out.add("unpermute gate weights", N * b)  # the fp32 weights cast to the activations' dtype
-    out.add("expert output", N * H * b)  # y_NH * w
-    out.add("weighted expert output", N * H * b)  # index_add's source
+    out.add("row weights slot index", N * 8)  # the gate weight of each row (moe/layer.py: probs_on_experts)
+    out.add("expert output", N * H * b)  # index_add's source (the weights are applied in the experts)
     # routed experts
     F = cfg.moe_intermediate_size
     if grouped_mm:
         out.add("grouped GEMM offsets", 2 * E * 4)
     out.add("expert input", N * H * b)
     out.add("expert gate_up", N * 2 * F * b)
-    if "moe_act" not in mods:
+    out.add("expert weights", N * 4)  # fp32 gate weight per row (kept by the moe_act region too)
+    if "moe_act" not in mods:  # weighted SwiGLU (torch reference): silu(gate), silu*up, its product with w
         out.add("expert silu(gate)", N * F * b)
         out.add("expert act", N * F * b)
+        out.add("expert weighted act", N * F * b)
     if moe_cfg.shared_expert_ffn_size and "shared_experts" not in mods:
         _swiglu_mlp(out, "shared experts", T, moe_cfg.shared_expert_ffn_size, b)

@@ -33,7 +33,9 @@ class DecoderLayer(nn.Module):
         self.is_moe = cfg.is_moe_layer(layer_idx)
         self.mlp = MoELayer(cfg.moe_config()) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size,
                                                                        cfg.init_std)
-        self.recompute = RecomputePlan.for_layer(cfg.recompute_modules, cfg.recompute_every_n_layers, layer_idx)
+        method = cfg.recompute_method if layer_idx < cfg.num_layers else None  # decoder layers, not MTP
+        self.recompute = RecomputePlan.for_layer(cfg.recompute_modules, cfg.recompute_every_n_layers, layer_idx,
+                                                 method, cfg.recompute_num_layers)
 
     def attention_block(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         plan = recompute.configure_layer(self)

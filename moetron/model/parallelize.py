@@ -340,7 +340,8 @@ def parallelize(model: MoETransformer, parallel_state: ParallelState, parallel: 
     if ps.world_size == 1:
         return model
     if ps.tp.size > 1:
-        tensor_parallelize(model, ps, moe_dispatcher=p.dispatcher, flex_backend=p.flex_backend)
+        tensor_parallelize(model, ps, moe_dispatcher=p.dispatcher, flex_backend=p.flex_backend,
+                           overlap_chunks=p.tp_comm_overlap_chunks if p.tp_comm_overlap else 1)
     else:
         expert_parallelize(model, ps, p.dispatcher, flex_backend=p.flex_backend)
     if ps.cp.size > 1:  # after tensor_parallelize, which replaces the model's class

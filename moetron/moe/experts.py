@@ -8,7 +8,7 @@ from torch import nn
 from moetron.dispatch.base import local_expert_range, rank_and_size
 from moetron.ops import recompute
 from moetron.moe.grouped_gemm import grouped_linear
-from moetron.ops import swiglu
+from moetron.ops.functional import weighted_swiglu
 from moetron.parallel import comm
 
 
@@ -26,12 +26,19 @@ class GroupedExperts(nn.Module):
     up over the ETP group. `load_full_experts` / `full_expert_weights` convert between
     this shard and the full tensors (tests, checkpoints).
 
+    `probs_N [N]` (fp32), when given, are the rows' routing weights: they scale the [N,F] SwiGLU
+    output before the down projection (Megatron-Core's weighted SwiGLU), so the combine sums
+    unweighted rows. `activation_impl` picks the SwiGLU kernel (moetron/kernels/fused_swiglu.py:
+    None by device, "auto" fused where the device has a kernel, "torch", "cpp", "triton").
+
     `recompute_act` (recompute option `moe_act`, set by the decoder layer) makes the SwiGLU an
     output-discarding region (moetron/ops/recompute.py): its [N,F] output, which the down
-    GEMM saves, and silu(gate) are recomputed in backward from gate_up, which is kept.
+    GEMM saves, is recomputed in backward from gate_up, which is kept.
     """
 
     recompute_act = False
+    activation_impl: str | None = None
+    takes_probs = True  # forward(x, rows, probs_N) applies the routing weights (a subclass may not)
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int,
                  backend: str = "auto", init_std: float = 0.02, *, ep_group=None, etp_group=None):
@@ -57,17 +64,18 @@ class GroupedExperts(nn.Module):
         for p in (self.gate_up_proj, self.down_proj):
             p.expert_parallel = True
 
-    def forward(self, x_NH: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_NH: torch.Tensor, rows_per_expert: torch.Tensor,
+                probs_N: torch.Tensor | None = None) -> torch.Tensor:
         gate_up = grouped_linear(x_NH, self.gate_up_proj, rows_per_expert, self.backend)
         if self.recompute_act:
-            act = recompute.discard_output(self._activation, gate_up)
+            args = (gate_up,) if probs_N is None else (gate_up, probs_N)
+            act = recompute.discard_output(self._activation, *args)
             with recompute.saved_outputs():
                 return grouped_linear(act, self.down_proj, rows_per_expert, self.backend)
-        return grouped_linear(self._activation(gate_up), self.down_proj, rows_per_expert, self.backend)
+        return grouped_linear(self._activation(gate_up, probs_N), self.down_proj, rows_per_expert, self.backend)
 
-    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.split(self.local_ffn_size, dim=-1)
-        return swiglu(gate, up)
+    def _activation(self, gate_up: torch.Tensor, probs_N: torch.Tensor | None = None) -> torch.Tensor:
+        return weighted_swiglu(gate_up, probs_N, self.activation_impl)
 
     # --- full <-> shard ------------------------------------------------------------------
     def _ffn_slice(self) -> slice:

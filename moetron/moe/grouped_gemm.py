@@ -2,7 +2,7 @@
 
 `grouped_linear(x_NH, w_EOH, rows_per_expert)` is `F.linear` applied per expert to
 consecutive row blocks. Backends: `torch._grouped_mm` (CPU and GPUs), the
-`grouped_gemm` package (GPU), and a per-expert loop that always works.
+`grouped_gemm` package (GPU, bf16 only), and a per-expert loop that always works.
 """
 
 from __future__ import annotations
@@ -44,10 +44,21 @@ def _loop(x_NH, w_EOH, rows_per_expert):
     return torch.cat([F.linear(chunk, w_EOH[e]) for e, chunk in enumerate(chunks)])
 
 
+def check_grouped_gemm(x: torch.Tensor, w_EOH: torch.Tensor) -> None:
+    """grouped_gemm's kernels take bf16 only (its own assert otherwise)."""
+    if x.dtype != torch.bfloat16 or w_EOH.dtype != torch.bfloat16:
+        raise ValueError(f"expert_backend=grouped_gemm runs bf16 only, got {x.dtype} tokens and {w_EOH.dtype} "
+                         f"weights: set train.dtype=bf16, or expert_backend=auto / torch_grouped_mm / loop")
+
+
 def _grouped_gemm_pkg(x_NH, w_EOH, rows_per_expert):
     from grouped_gemm import ops  # optional GPU package
 
-    return ops.gmm(x_NH, w_EOH, rows_per_expert.cpu(), trans_b=True)
+    check_grouped_gemm(x_NH, w_EOH)
+    # contiguous operands, int64 sizes on the host (its checks); the output's gradient contiguous too
+    # (older releases pass it on as it comes, e.g. the expanded gradient of `y.sum()`)
+    y = ops.gmm(x_NH.contiguous(), w_EOH.contiguous(), rows_per_expert.to("cpu", torch.int64), trans_b=True)
+    return _ContiguousGrad.apply(y)
 
 
 _BACKENDS = {"torch_grouped_mm": _grouped_mm, "loop": _loop, "grouped_gemm": _grouped_gemm_pkg}
@@ -62,16 +73,20 @@ def resolve_backend(name: str, x: torch.Tensor, w_EOH: torch.Tensor) -> str:
             raise ValueError(f"torch_grouped_mm needs row sizes that are multiples of 16 bytes; "
                              f"got in={w_EOH.shape[-1]} out={w_EOH.shape[-2]} in {x.dtype}: "
                              f"use expert_backend='loop' or 'auto'")
+        if name == "grouped_gemm":
+            check_grouped_gemm(x, w_EOH)
         return name
     usable_dtype = x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.is_cuda:
-        # torch._grouped_mm runs bf16 on Hopper's own kernel and other dtypes / GPUs on torch's
-        # fallback; both take device offsets, so no host sync (the loop needs one per call).
+        # torch._grouped_mm runs bf16 on sm90/sm100's own kernel; other dtypes and GPUs take torch's
+        # fallback, which loops over the groups and reads the offsets on the host (a sync per call,
+        # like the loop backend). Only the native kernel is sync-free.
         major, _ = torch.cuda.get_device_capability(x.device)
         aligned = _aligned(x, w_EOH.shape[-1], w_EOH.shape[-2])
         if hasattr(torch, "_grouped_mm") and major >= 8 and usable_dtype and aligned:
             return "torch_grouped_mm"
-        return "grouped_gemm" if backends._has_module("grouped_gemm") else "loop"
+        bf16 = x.dtype == torch.bfloat16 and w_EOH.dtype == torch.bfloat16
+        return "grouped_gemm" if bf16 and backends._has_module("grouped_gemm") else "loop"
     if hasattr(torch, "_grouped_mm") and usable_dtype and _aligned(x, w_EOH.shape[-1], w_EOH.shape[-2]):
         return "torch_grouped_mm"
     return "loop"

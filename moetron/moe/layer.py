@@ -5,7 +5,8 @@
     y = layer(x)            # x [..., 64] -> y [..., 64]
 
 The four stages are separate methods (DESIGN principle 5) so a pipeline schedule
-can run them one at a time; `forward` simply chains them.
+can run them one at a time; `forward` simply chains them, and applies the routing weights inside
+the experts' SwiGLU where the dispatcher keeps them beside the rows (`probs_on_experts`).
 
 Recomputation (moetron/ops/recompute.py): `recompute_modules` is set by the decoder layer. The
 whole-layer `moe` checkpoint wraps the layer's call in `DecoderLayer.mlp_block`; when a pipeline
@@ -16,6 +17,7 @@ no statistics (they were taken in the forward) and replays the router's global-b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetron.dispatch.allgather import AllGatherDispatcher
+from moetron.dispatch.allgather import AllGatherDispatcher, AllGatherHandle
 from moetron.dispatch.alltoall import AllToAllDispatcher
 from moetron.dispatch.base import LocalDispatcher, TokenDispatcher
 from moetron.dispatch.routing import Routing
@@ -33,7 +35,8 @@ from moetron.moe.config import MoEConfig
 from moetron.moe.experts import GroupedExperts
 from moetron.moe.router import TopKRouter
 from moetron.parallel.state import Group, ParallelState
-from moetron.dispatch.flex import FlexTokenDispatcher
+from moetron.dispatch.flex import FlexTokenDispatcher, FlexTokenHandle
+from moetron.dispatch.permute import PermuteState
 
 DISPATCHERS = ("local", "allgather", "alltoall", "flex")
 
@@ -104,8 +107,11 @@ class MoELayer(nn.Module):
         if ps is None:
             raise ValueError(f"dispatcher={name!r} needs parallel_state= to know its process groups")
         if name == "flex":
+            # DeepEP: every layer reserves its row size in the one shared Buffer (bf16 or FP8 rows: 2 bytes).
+            options = {"hidden_bytes": cfg.hidden_size * 2} if flex_backend == "deepep" else {}
             return FlexTokenDispatcher(ps.tp_ep, cfg.num_experts, etp=ps.etp.size, backend=flex_backend,
-                                       pad_multiple=pad_multiple, pad_to_capacity=cfg.pad_to_capacity)
+                                       pad_multiple=pad_multiple, pad_to_capacity=cfg.pad_to_capacity,
+                                       top_k=cfg.top_k, **options)
         if name == "allgather":
             return AllGatherDispatcher(ps.tp_ep, cfg.num_experts, self.experts.local_experts,
                                        pad_multiple=pad_multiple, pad_to_capacity=cfg.pad_to_capacity)
@@ -162,10 +168,12 @@ class MoELayer(nn.Module):
         with self._saved_outputs():
             return self.dispatcher.dispatch(x_TH, routing)
 
-    def compute_experts(self, x_NH: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
+    def compute_experts(self, x_NH: torch.Tensor, rows_per_expert: torch.Tensor,
+                        probs_N: torch.Tensor | None = None) -> torch.Tensor:
+        args = (x_NH, rows_per_expert) if probs_N is None else (x_NH, rows_per_expert, probs_N)
         if self._checkpoint_stages():
-            return recompute.checkpoint(self.experts, x_NH, rows_per_expert)
-        return self.experts(x_NH, rows_per_expert)
+            return recompute.checkpoint(self.experts, *args)
+        return self.experts(*args)
 
     def combine(self, y_NH: torch.Tensor, handle: Any) -> torch.Tensor:
         return self.dispatcher.combine(y_NH, handle)
@@ -198,7 +206,10 @@ class MoELayer(nn.Module):
             x_NH, rows_per_expert, handle = self.dispatcher.dispatch_finish(pending)
         else:
             x_NH, rows_per_expert, handle = self.dispatch(x_TH, routing)
-        out_TH = self.combine(self.compute_experts(x_NH, rows_per_expert), handle)
+        probs_N = None
+        if self.experts.takes_probs:
+            probs_N, handle = probs_on_experts(handle)
+        out_TH = self.combine(self.compute_experts(x_NH, rows_per_expert, probs_N), handle)
         if self.shared_experts is not None:
             out_TH = out_TH + (self.shared(x_TH) if shared_TH is None else shared_TH)
         return out_TH.view(shape)
@@ -283,6 +294,38 @@ def load_summary(totals) -> dict[str, float]:
     mean = sum(counts) / len(counts)
     return {"max_over_mean": max(counts) / mean if mean else 0.0,
             "dropped_fraction": 1.0 - sum(counts) / slots}
+
+
+def probs_on_experts(handle: Any) -> tuple[torch.Tensor | None, Any]:
+    """`(probs_N, handle')`: the routing weight of every dispatched row, and a handle whose combine
+    sums the rows unweighted; the experts then apply the weights inside the SwiGLU (on [N, F]
+    instead of [N, H] rows, and the unpermute's backward is a plain gather).
+
+    Where the rows' weights are on this rank beside a `PermuteState` (local, all-gather and flex
+    dispatch). The all-to-all dispatcher applies them on the source rank after the return
+    exchange: `(None, handle)`, and its combine weights the rows as before.
+    """
+    if isinstance(handle, tuple) and len(handle) == 2 and isinstance(handle[0], PermuteState):
+        state, weights = handle
+        return _row_probs(state, weights), (state, None)
+    if isinstance(handle, AllGatherHandle) and handle.topk_weights is not None:
+        return _row_probs(handle.state, handle.topk_weights), dataclasses.replace(handle, topk_weights=None)
+    if isinstance(handle, FlexTokenHandle) and handle.recv_topk_weights is not None:
+        probs = _row_probs(handle.state, handle.recv_topk_weights)
+        return probs, dataclasses.replace(handle, recv_topk_weights=None)
+    return None, handle
+
+
+def _row_probs(state: PermuteState, weights: torch.Tensor | None) -> torch.Tensor | None:
+    """`probs_N[r] = weights.flat[slot_of_row[r]]` (fp32), 0 on padding rows; differentiable."""
+    if weights is None or state.slot_of_row is None:
+        return None
+    slot = state.slot_of_row
+    flat = weights.reshape(-1).float()
+    if flat.numel() == 0:  # no token: keep the weights in the graph (their gradient is zeros)
+        return flat.new_zeros(slot.numel()) + 0 * flat.sum()
+    probs = flat.index_select(0, slot.clamp_min(0))
+    return probs if state.padded_pos is None else torch.where(slot >= 0, probs, 0.0)
 
 
 def _sum_over(t: torch.Tensor, groups) -> None:

@@ -35,9 +35,25 @@ def _eager(q, k, v, scale):
     return torch.matmul(probs, v)
 
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256
+
+
+def check_flash_attn(q: torch.Tensor, v: torch.Tensor) -> None:
+    """flash-attn's limits, as moetron errors: fp16/bf16 only, one head size <= 256 (v padded to q's)."""
+    if q.dtype not in FLASH_DTYPES:
+        raise ValueError(f"model.attention_backend=flash_attn runs fp16/bf16 only, got {q.dtype}: set "
+                         f"train.dtype=bf16 (or model.attention_backend=sdpa)")
+    head = -(-max(q.shape[-1], v.shape[-1]) // 8) * 8  # flash-attn pads the head size to a multiple of 8
+    if head > FLASH_MAX_HEAD_DIM:
+        raise ValueError(f"model.attention_backend=flash_attn supports head dims up to {FLASH_MAX_HEAD_DIM}; this "
+                         f"model's is {head} (q/k {q.shape[-1]}, v {v.shape[-1]}): use attention_backend=sdpa or te")
+
+
 def _flash_attn(q, k, v, scale):
     from flash_attn import flash_attn_func  # optional GPU package
 
+    check_flash_attn(q, v)
     dqk, dv = q.shape[-1], v.shape[-1]
     if dv < dqk:  # flash-attn wants one head size: pad v, slice the output
         v = F.pad(v, (0, dqk - dv))
@@ -47,7 +63,7 @@ def _flash_attn(q, k, v, scale):
     return out.transpose(1, 2)[..., :dv]
 
 
-_te_modules: dict = {}
+_te_modules: dict = {}  # one te.DotProductAttention per shape and mask (it has no parameters)
 
 
 def _te(q, k, v, scale):

@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from moetron.kernels import fused_swiglu
+
 FUSION_MODES = ("none", "compile")
 _mode = "none"
 _compiled: dict[str, Callable] = {}
@@ -79,6 +81,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _dispatch("swiglu", _swiglu_ref)(gate, up)
+
+
+def weighted_swiglu(gate_up: torch.Tensor, probs: torch.Tensor | None = None, impl: str | None = None) -> torch.Tensor:
+    """`silu(gate) * up * probs[:, None]` on `gate_up [N, 2F]` (gate columns first); `probs [N]` fp32 or None.
+
+    `impl` (moetron/kernels/fused_swiglu.py): None by device (Triton on CUDA, else the reference),
+    "auto" the fused kernel the device has (C++ on CPU, compiled on first use), or "torch" / "cpp" /
+    "triton". The reference goes through the fusion switch like the other bodies here.
+    """
+    impl = fused_swiglu.resolve(impl, gate_up.device)
+    if impl == "torch":
+        fused_swiglu.check_args(gate_up, probs)
+        return _dispatch("weighted_swiglu", fused_swiglu.weighted_swiglu_reference)(gate_up, probs)
+    return fused_swiglu.fused_swiglu(gate_up, probs, impl)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

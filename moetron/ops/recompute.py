@@ -55,18 +55,30 @@ class RecomputePlan:
     full: bool = False
 
     @classmethod
-    def for_layer(cls, modules: Iterable[str], every_n_layers: int, layer_idx: int) -> RecomputePlan:
+    def for_layer(cls, modules: Iterable[str], every_n_layers: int, layer_idx: int, method: str | None = None,
+                  num_layers: int | None = None) -> RecomputePlan:
         modules = frozenset(modules)
         bad = sorted(modules - set(MODULES))
         if bad:
             raise ValueError(f"recompute module {bad[0]!r} is unknown; choose from {', '.join(MODULES)}")
-        return cls(modules, every_n_layers > 0 and (layer_idx + 1) % every_n_layers == 0)
+        full = every_n_layers > 0 and (layer_idx + 1) % every_n_layers == 0
+        return cls(modules, full or full_by_method(method, num_layers, layer_idx))
 
     @property
     def piece_modules(self) -> frozenset[str]:
         """Options for the submodules: in a fully recomputed layer they matter only when a pipeline
         runs the layer as pieces outside the layer checkpoint; then the MoE pieces use moe + layernorm."""
         return self.modules | {"moe", "layernorm"} if self.full else self.modules
+
+
+def full_by_method(method: str | None, num_layers: int | None, position: int) -> bool:
+    """Megatron's `recompute_method` for the layer at `position` in its block (the model's decoder
+    layers, or one pipeline stage's): "block" recomputes the first `num_layers` layers of each block;
+    "uniform" recomputes every layer (Megatron checkpoints groups of `num_layers` layers at once, moetron
+    each layer: the same recomputation, see docs/recompute.md)."""
+    if method == "uniform":
+        return True
+    return method == "block" and position < num_layers
 
 
 def configure_layer(layer) -> RecomputePlan:

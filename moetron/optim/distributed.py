@@ -37,6 +37,7 @@ class _Piece:
     hi: int
     flat_lo: int
     group: int = -1
+    bucket: object = None  # the data_parallel.Bucket whose shard range holds the piece
 
     @property
     def flat(self) -> slice:
@@ -58,7 +59,7 @@ class _Shard:
                 a, b = max(lo, slot.start), min(hi, slot.end)
                 if a < b:
                     self.pieces.append(_Piece(slot, self, a - slot.start, b - slot.start,
-                                              flat + a - lo))
+                                              flat + a - lo, bucket=bucket))
             flat += hi - lo
         self.numel = flat
         self.master = torch.cat([buffer.param_data[lo:hi] for lo, hi, _ in self.ranges]).float()
@@ -69,10 +70,12 @@ class _Shard:
         """This rank's reduced gradient slices, as one new fp32 tensor."""
         return torch.cat([self.buffer.grad_data[lo:hi] for lo, hi, _ in self.ranges]).float()
 
-    def write_params(self) -> None:
-        """Copy the master slices into this rank's part of the parameter buffer."""
-        for lo, hi, flat in self.ranges:
-            self.buffer.param_data[lo:hi].copy_(self.master[flat:flat + hi - lo])
+    def write_params(self, bucket=None) -> None:
+        """Copy the master slices (of `bucket` only, when given) into this rank's part of the
+        parameter buffer."""
+        for b, (lo, hi, flat) in zip(self.buffer.buckets, self.ranges):
+            if bucket is None or b is bucket:
+                self.buffer.param_data[lo:hi].copy_(self.master[flat:flat + hi - lo])
 
 
 class DistributedOptimizer:
@@ -83,15 +86,22 @@ class DistributedOptimizer:
     >= 2-D parameters with `weight_decay` and (with no_decay_1d) the 1-D ones (norms, biases)
     without. `self.param_groups[i]["lr"]` may be changed between steps.
     max_grad_norm: clip by the global norm (None: only report it).
+    overlap_param_gather_with_optimizer_step: update bucket by bucket, in forward order, and
+        launch each bucket's all-gather as soon as its shard is updated, so the gathers overlap
+        the rest of the step (needs `ddp.overlap_param_gather`; the same numbers).
     """
 
     def __init__(self, ddp: DataParallel, param_groups: Sequence[Mapping] | None = None, *,
                  lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, no_decay_1d: bool = True,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, overlap_param_gather_with_optimizer_step: bool = False):
         if not isinstance(ddp, DataParallel) or not ddp.use_distributed_optimizer:
             raise ValueError("DistributedOptimizer needs DataParallel(..., use_distributed_optimizer=True): "
                              "the parameters must live in its contiguous buffers")
+        if overlap_param_gather_with_optimizer_step and not ddp.overlap_param_gather:
+            raise ValueError("overlap_param_gather_with_optimizer_step=True needs "
+                             "DataParallel(..., overlap_param_gather=True)")
+        self.overlap_with_step = overlap_param_gather_with_optimizer_step
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} must be > 0 (or None for no clipping)")
         self.ddp, self.max_grad_norm = ddp, max_grad_norm
@@ -169,16 +179,30 @@ class DistributedOptimizer:
             else:
                 for g in grads:
                     g.mul_(coef)
-        for i, group in enumerate(self.param_groups):
+        for group in self.param_groups:
             group["step"] += 1
-            pieces = [(piece, g) for shard, g in zip(self.shards, grads) for piece in shard.pieces
-                      if piece.group == i]
-            if pieces:
-                self._adamw(group, pieces, fused, unscale)
+        if self.overlap_with_step:  # forward order, each bucket's gather right after its update
+            self.ddp.finish_param_sync()
+            for bucket in reversed(self.ddp.buckets):
+                self._update(grads, fused, unscale, bucket)
+                for shard in self.shards:
+                    if shard.buffer is bucket.buffer:
+                        shard.write_params(bucket)
+                self.ddp.start_bucket_param_sync(bucket)
+            return self.last_grad_norm
+        self._update(grads, fused, unscale)
         for shard in self.shards:
             shard.write_params()
         self.ddp.start_param_sync()
         return self.last_grad_norm
+
+    def _update(self, grads, fused: bool, unscale, bucket=None) -> None:
+        """AdamW on every piece (of `bucket` only, when given), one call per param group."""
+        for i, group in enumerate(self.param_groups):
+            pieces = [(piece, g) for shard, g in zip(self.shards, grads) for piece in shard.pieces
+                      if piece.group == i and (bucket is None or piece.bucket is bucket)]
+            if pieces:
+                self._adamw(group, pieces, fused, unscale)
 
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         ps = self.ddp.parallel_state

@@ -52,6 +52,13 @@ class ParallelConfig:
     # interleaved pair each backward with the next forward): off, layer, or moe (attention/dispatch/experts/combine)
     flex_backend: str = "torch"  # backend of the flex dispatcher: torch, deepep, nvshmem
     distributed_optimizer: bool = True  # ZeRO-1 over data parallel; False: replicated AdamW
+    # Communication overlap (Megatron-Core names; docs/megatron_switches.md).
+    overlap_grad_reduce: bool = True  # DP buckets reduce during backward (every pipeline schedule)
+    overlap_param_gather: bool = False  # ZeRO-1 all-gathers wait in forward pre-hooks, bucket by bucket
+    overlap_param_gather_with_optimizer_step: bool = False  # each bucket's gather starts right after its update
+    bucket_size: int | None = None  # elements per DP bucket; None: max(40M, 1M * dp)
+    tp_comm_overlap: bool = False  # chunked all-gather->GEMM / GEMM->reduce-scatter (needs sp)
+    tp_comm_overlap_chunks: int = 2  # pieces each overlapped TP collective is cut into
 
     def __post_init__(self) -> None:
         if self.etp is None:
@@ -76,6 +83,48 @@ class ParallelConfig:
             raise ValueError(f"fb_overlap={self.fb_overlap!r} is unknown; choose off, layer or moe")
         if self.dispatcher not in ("alltoall", "allgather", "flex"):
             raise ValueError(f"dispatcher={self.dispatcher!r} is unknown; choose alltoall, allgather or flex")
+        self._check_switches()
+
+    def _check_switches(self) -> None:
+        """Options that would be silently ignored in this layout are errors naming the fix."""
+        for name in ("overlap_grad_reduce", "overlap_param_gather", "overlap_param_gather_with_optimizer_step",
+                     "tp_comm_overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"parallel.{name}={getattr(self, name)!r} must be true or false")
+        if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or isinstance(
+                self.bucket_size, bool) or self.bucket_size < 1):
+            raise ValueError(f"parallel.bucket_size={self.bucket_size!r} must be a positive number of elements "
+                             "(or null for the default max(40M, 1M x dp))")
+        if self.vpp > 1 and self.schedule != "interleaved":
+            raise ValueError(f"parallel.vpp={self.vpp} with parallel.schedule={self.schedule!r}: only the interleaved "
+                             "schedule runs virtual stages; set parallel.schedule=interleaved, or parallel.vpp=1")
+        if self.fb_overlap != "off" and self.pp == 1:
+            raise ValueError(f"parallel.fb_overlap={self.fb_overlap!r} with parallel.pp=1: the overlap pairs the "
+                             "forward and backward of two micro-batches inside a pipeline schedule; set "
+                             "parallel.pp >= 2, or parallel.fb_overlap=off")
+        if self.flex_backend not in ("torch", "deepep", "nvshmem"):
+            raise ValueError(f"parallel.flex_backend={self.flex_backend!r} is unknown; choose torch, deepep or nvshmem")
+        if self.flex_backend != "torch" and self.dispatcher != "flex":
+            raise ValueError(f"parallel.flex_backend={self.flex_backend} is the flex dispatcher's backend, but "
+                             f"parallel.dispatcher={self.dispatcher!r}: set parallel.dispatcher=flex, or "
+                             "parallel.flex_backend=torch")
+        if self.tp_comm_overlap and not self.sp:
+            raise ValueError("parallel.tp_comm_overlap=true needs sequence parallel (its all-gather->GEMM and "
+                             "GEMM->reduce-scatter are the ones overlapped): set parallel.sp=true, or "
+                             "parallel.tp_comm_overlap=false")
+        if not isinstance(self.tp_comm_overlap_chunks, int) or self.tp_comm_overlap_chunks < 2:
+            raise ValueError(f"parallel.tp_comm_overlap_chunks={self.tp_comm_overlap_chunks!r} must be an integer "
+                             ">= 2 (the pieces each overlapped TP collective is cut into)")
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise ValueError("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true: only the "
+                             "distributed optimizer all-gathers parameters")
+        if self.overlap_param_gather and self.pp > 1:
+            raise ValueError("parallel.overlap_param_gather=true with parallel.pp > 1 is not supported: pipeline "
+                             "stages read weights outside module forwards, so a gather could be read unfinished; "
+                             "set parallel.overlap_param_gather=false (the gathers then finish inside the step)")
+        if self.overlap_param_gather_with_optimizer_step and not self.overlap_param_gather:
+            raise ValueError("parallel.overlap_param_gather_with_optimizer_step=true needs "
+                             "parallel.overlap_param_gather=true (as in Megatron-Core)")
 
     @property
     def sequence_parallel(self) -> bool:

@@ -21,7 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moetron.parallel.grad_norm import all_reduce_sum, counts_in_norm, sum_of_squares
 from moetron.parallel.state import Group, ParallelState
+
+__all__ = ["DataParallel", "GradBuffer", "Bucket", "ParamSlot", "all_reduce_sum", "counts_in_norm",
+           "sum_of_squares", "default_bucket_size", "is_expert_param", "PAD_ALIGN"]
 
 PAD_ALIGN = 64  # elements; distributed-optimizer shards start on multiples of this
 
@@ -65,6 +69,7 @@ class ParamSlot:
     bucket: Bucket | None = None
     grad_view: torch.Tensor | None = None  # shaped like the parameter
     main_grad_only: bool = False  # grad dtype != param dtype: .grad is added into main_grad
+    late: bool = False  # pipeline_shared: final only after the PP sum, launched by finish_grad_sync
 
 
 @dataclass(eq=False)
@@ -164,7 +169,11 @@ class DataParallel:
         keep parameters in buffers for `DistributedOptimizer`; otherwise all-reduce.
     grad_dtype: dtype of the gradient buffers (default: each parameter's own dtype).
     average: divide by ps.dp.size (mean over DP replicas; see the module doc) or just sum.
-    overlap_grad_reduce: launch buckets during backward (False: all at finish_grad_sync).
+    overlap_grad_reduce: launch buckets during backward (False: all at finish_grad_sync). Under a
+        pipeline schedule the executor marks, action by action, which gradients are final
+        (`final_gradients`), so each chunk's buckets launch during its last backward; parameters
+        tagged `pipeline_shared` (held by several PP ranks, summed over them after the schedule)
+        get buckets of their own, launched by finish_grad_sync.
     overlap_param_gather: after an optimizer step the all-gathers are only launched; each module
         waits for the buckets of its own parameters in a forward pre-hook, so a bucket's gather
         overlaps the compute of the layers before it. Parameters must then be read during a
@@ -202,24 +211,27 @@ class DataParallel:
         trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         for order, (name, p) in enumerate(trainable):
             expert = is_expert_param(owner[id(p)], p)
-            key = (p.device, p.dtype, grad_dtype or p.dtype, "edp" if expert else "dp_cp")
-            groups.setdefault(key, []).append(ParamSlot(name, p, order, 0, 0, expert))
+            late = bool(getattr(p, "pipeline_shared", False))
+            key = (p.device, p.dtype, grad_dtype or p.dtype, "edp" if expert else "dp_cp", late)
+            groups.setdefault(key, []).append(ParamSlot(name, p, order, 0, 0, expert, late=late))
         if not groups:
             raise ValueError("DataParallel: the module has no parameter that requires grad")
 
         self.buffers: list[GradBuffer] = []
-        for (_, _, gdtype, group_name), slots in groups.items():
+        for (_, _, gdtype, group_name, _), slots in groups.items():
             group = ps.group(group_name)
             pad = group.size * PAD_ALIGN if use_distributed_optimizer else 1
             self.buffers.append(GradBuffer(group, group_name == "edp", slots[::-1], bucket_size,
                                            pad, gdtype, use_distributed_optimizer))
         self.slots = [s for b in self.buffers for s in b.slots]
         # One launch sequence for every bucket: by the backward position of the bucket's
-        # earliest-registered parameter, i.e. when the bucket should become complete.
+        # earliest-registered parameter, i.e. when the bucket should become complete; the
+        # pipeline-shared buckets last (they are complete only after the schedule).
         self.buckets = sorted((k for b in self.buffers for k in b.buckets),
-                              key=lambda k: -min(s.order for s in k.slots))
+                              key=lambda k: (k.slots[0].late, -min(s.order for s in k.slots)))
         self._next_launch = 0
         self._sync_enabled = True
+        self._final: set[int] | None = None  # ids of the params whose gradients are final now
         self._synced = False
         self._handles = [s.param.register_post_accumulate_grad_hook(self._make_hook(s))
                          for s in self.slots]
@@ -243,6 +255,18 @@ class DataParallel:
             yield
         finally:
             self._sync_enabled = previous
+
+    @contextlib.contextmanager
+    def final_gradients(self, params):
+        """Gradients of `params` arriving inside are their last of the step: they count as
+        ready (buckets launch as they fill); any other gradient accumulates as under no_sync().
+        A pipeline executor wraps each chunk's last backward (or W) pass in it."""
+        previous = self._sync_enabled, self._final
+        self._sync_enabled, self._final = True, {id(p) for p in params}
+        try:
+            yield
+        finally:
+            self._sync_enabled, self._final = previous
 
     def zero_grad(self) -> None:
         """Zero every gradient buffer and start a new step (call before the first micro-batch)."""
@@ -310,15 +334,19 @@ class DataParallel:
             raise RuntimeError("start_param_sync() needs use_distributed_optimizer=True")
         self.finish_param_sync()
         for bucket in reversed(self.buckets):
-            group = bucket.buffer.group
-            if group.size == 1:
-                continue
-            lo, hi = bucket.shard_range()
-            own = bucket.buffer.param_data[lo:hi].clone()  # never alias input and output
-            out = bucket.buffer.param_data[bucket.start:bucket.end]
-            bucket.gather_work = _all_gather(out, own, group.handle)
+            self.start_bucket_param_sync(bucket)
         if not self.overlap_param_gather:
             self.finish_param_sync()
+
+    def start_bucket_param_sync(self, bucket: Bucket) -> None:
+        """Launch the all-gather of one bucket's parameter shards (waited for like the others)."""
+        group = bucket.buffer.group
+        if group.size == 1 or bucket.gather_work is not None:
+            return
+        lo, hi = bucket.shard_range()
+        own = bucket.buffer.param_data[lo:hi].clone()  # never alias input and output
+        out = bucket.buffer.param_data[bucket.start:bucket.end]
+        bucket.gather_work = _all_gather(out, own, group.handle)
 
     def finish_param_sync(self) -> None:
         """Wait for every pending parameter all-gather."""
@@ -357,11 +385,12 @@ class DataParallel:
                 slot.grad_view.copy_(p.grad)
                 p.grad = slot.grad_view
         bucket = slot.bucket
-        if bucket.launched or (self._sync_enabled and slot in bucket.ready):
+        final = self._sync_enabled and not slot.late and (self._final is None or id(p) in self._final)
+        if bucket.launched or (final and slot in bucket.ready):
             raise RuntimeError(
                 f"gradient of {slot.name!r} arrived twice in one synchronised backward; run one "
                 "backward per micro-batch and wrap all but the last in DataParallel.no_sync()")
-        if not self._sync_enabled:
+        if not final:
             return
         bucket.ready.add(slot)
         if self.overlap_grad_reduce:
@@ -458,29 +487,3 @@ class DataParallel:
             self._early_buckets = list(early.values())
             self._ran = None
         self.finish_param_sync()  # whatever the forward did not touch is complete when it returns
-
-
-def counts_in_norm(param: nn.Parameter, ps: ParallelState, expert: bool = False) -> bool:
-    """Whether this rank's copy of `param` counts in the global gradient norm.
-
-    Once over pipeline ranks when several hold it (`pipeline_duplicate` marks the other copies:
-    the shared embedding, and every stage under DualPipe - experts included). Then an expert
-    parameter counts everywhere (each EP/ETP rank holds its own slice); a dense one on one TP
-    rank unless it is TP-sharded.
-    """
-    if getattr(param, "pipeline_duplicate", False):
-        return False
-    return expert or bool(getattr(param, "tensor_model_parallel", False)) or ps.tp.rank == 0
-
-
-def sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
-    """fp32 sum of squares of every element of `tensors` (0 for none)."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
-    return torch.stack(norms).pow(2).sum()
-
-
-def all_reduce_sum(t: torch.Tensor, group: Group) -> None:
-    if group.size > 1:
-        dist.all_reduce(t, group=group.handle)

@@ -17,6 +17,8 @@ import contextlib
 import itertools
 import logging
 import os
+import threading
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from moetron.parallel.config import ParallelConfig, ParallelSizes
+
+log = logging.getLogger(__name__)
 
 # name -> (grid, order names that vary inside one group). Creation follows this order on every
 # rank, which torch.distributed.new_group requires.
@@ -291,11 +295,44 @@ def _is_communication_failure(exc: BaseException) -> bool:
     return "gloo" in text or "nccl" in text
 
 
+class _WaitLogger:
+    """Logs every `interval` seconds that the block is still running (a collective waiting for a
+    rank that died or hangs), naming the rank and `where`, until the block ends or times out."""
+
+    def __init__(self, where: str, rank: int, interval: float, hint: str):
+        self.where, self.rank, self.interval, self.hint = where, rank, interval, hint
+        self.start = time.monotonic()
+        self.timer: threading.Timer | None = None
+        self.lock = threading.Lock()
+        self._arm()
+
+    def _arm(self) -> None:
+        self.timer = threading.Timer(self.interval, self._fire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _fire(self) -> None:
+        with self.lock:
+            if self.timer is None:
+                return
+            log.warning("rank %d: still waiting after %.0f s %s: a collective is waiting for another rank (or "
+                        "the work is unusually slow). %s", self.rank, time.monotonic() - self.start, self.where,
+                        self.hint)
+            self._arm()
+
+    def stop(self) -> None:
+        with self.lock:
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+
+
 @contextlib.contextmanager
-def collective_failures(where: str, *, rank: int, hint: str = ""):
+def collective_failures(where: str, *, rank: int, hint: str = "", wait_log_s: float | None = None):
     """Re-raise a communication failure inside the block as a `CollectiveError` that says which
     collective failed (when torch reports it; else that an asynchronous one did), `where`
-    (e.g. "in the forward/backward pass of step 3"), on which rank, and `hint`.
+    (e.g. "in the forward/backward pass of step 3"), on which rank, and `hint`. With
+    `wait_log_s`, a block still running after that many seconds logs so (once per interval).
 
     Other exceptions pass through unchanged.
     """
@@ -303,6 +340,7 @@ def collective_failures(where: str, *, rank: int, hint: str = ""):
     logger = _c10d_logger()
     if logger is not None:
         logger.addHandler(seen)
+    waiting = _WaitLogger(where, rank, wait_log_s, hint) if wait_log_s else None
     try:
         yield
     except CollectiveError:
@@ -314,5 +352,7 @@ def collective_failures(where: str, *, rank: int, hint: str = ""):
         raise CollectiveError(f"rank {rank}: {what} {where} failed: another rank has probably died or hangs "
                               f"(see its log). {hint + ' ' if hint else ''}[{type(exc).__name__}: {exc}]") from exc
     finally:
+        if waiting is not None:
+            waiting.stop()
         if logger is not None:
             logger.removeHandler(seen)

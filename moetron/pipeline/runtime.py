@@ -15,6 +15,7 @@ reduction: docs/pipeline.md.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -232,7 +233,7 @@ def run_schedule(schedule: PipelineSchedule, stage_modules: Sequence[PipelineSta
                  microbatches: Sequence, *, group=None, overlap_p2p_comm: bool = True,
                  fb_overlap: str = "off", loss_scale: float | None = None,
                  aux_loss_scale: float | None = None, reduce_shared_grads: bool = True,
-                 gather_losses: bool = True) -> PipelineResult:
+                 gather_losses: bool = True, data_parallel=None) -> PipelineResult:
     """Run one training step's forward and backward passes of `schedule` on this rank.
 
     `stage_modules` are this rank's stages by chunk (`build_stage_modules`); `microbatches`
@@ -245,6 +246,10 @@ def run_schedule(schedule: PipelineSchedule, stage_modules: Sequence[PipelineSta
     all-reduce over the group). `fb_overlap` ("off", "layer",
     "moe") is how the forward and backward of an FB pair share the time (module docstring);
     when on, 1F1B and interleaved schedules are paired first (`pair_forward_backward`).
+    `data_parallel` (a DataParallel over these stages): every action runs under its no_sync(),
+    except each chunk's last gradient-producing action (B, or W under a split backward), which
+    runs under `final_gradients(that chunk's parameters)`, so the chunk's buckets launch while
+    that backward runs; parameters held by several PP ranks wait for finish_grad_sync.
     """
     info = ProcessGroupInfo.of(group)
     if info.size != schedule.pp:
@@ -271,9 +276,17 @@ def run_schedule(schedule: PipelineSchedule, stage_modules: Sequence[PipelineSta
     balancing.set_aux_loss_scale(scale if aux_loss_scale is None else float(aux_loss_scale))
     executor = _Executor(schedule, list(stage_modules), batches, info, scale, overlap_p2p_comm, fb_overlap)
     actions = schedule.rank_actions[info.rank]
+    final = {} if data_parallel is None else final_gradient_params(schedule, actions, stage_modules)
     try:
         for i, action in enumerate(actions):
-            executor.run(action, actions[i + 1] if i + 1 < len(actions) else None)
+            if data_parallel is None:
+                sync = contextlib.nullcontext()
+            elif i in final:
+                sync = data_parallel.final_gradients(final[i])
+            else:
+                sync = data_parallel.no_sync()
+            with sync:
+                executor.run(action, actions[i + 1] if i + 1 < len(actions) else None)
         if executor.p2p is not None:
             executor.p2p.close()
     finally:
@@ -287,6 +300,33 @@ def run_schedule(schedule: PipelineSchedule, stage_modules: Sequence[PipelineSta
     result = _losses(executor.losses, schedule.microbatches, stage_modules[0], info, gather_losses)
     result.timeline = [str(a) for a in actions]
     return result
+
+
+def final_gradient_params(schedule: PipelineSchedule, actions: Sequence[Action],
+                          stage_modules: Sequence[PipelineStageModule]) -> dict[int, list[torch.nn.Parameter]]:
+    """Action index -> the parameters whose last gradient of the step that action produces.
+
+    A chunk's last gradient comes with its last full backward (B) or, under a split backward,
+    its last W; a parameter several chunks of this rank use (an embedding on a V's two ends) is
+    final after the later one. Parameters held by several PP ranks are left out: they are
+    summed over those ranks after the schedule.
+    """
+    last: dict[int, int] = {}
+    for i, action in enumerate(actions):
+        for part in action.parts():
+            if part.kind == "W" or (part.kind == "B" and not part.split_backward):
+                last[part.chunk] = i
+    first = stage_modules[0]
+    shared = shared_parameter_ranks(first.layout, schedule, first.tied)
+    at: dict[int, tuple[int, torch.nn.Parameter]] = {}
+    for chunk, module in enumerate(stage_modules):
+        for name, p in module.named_parameters():
+            if p.requires_grad and parameter_key(name) not in shared and chunk in last:
+                at[id(p)] = (max(at.get(id(p), (-1, p))[0], last[chunk]), p)
+    out: dict[int, list[torch.nn.Parameter]] = {}
+    for index, p in at.values():
+        out.setdefault(index, []).append(p)
+    return out
 
 
 def _losses(local: dict[int, Tensors], m: int, module: PipelineStageModule, info, gather: bool):
@@ -331,16 +371,24 @@ def reduce_shared_gradients(schedule: PipelineSchedule, stage_modules: Sequence[
             by_ranks.setdefault(ranks, []).append(params[name])
     for ranks in sorted(by_ranks):
         ps = by_ranks[ranks]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in ps])
+        grads = [_grad_of(p) for p in ps]
+        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for p, g in zip(ps, grads)])
         sum_over_ranks(flat, ranks, info)
         offset = 0
-        for p in ps:
+        for p, g in zip(ps, grads):
             chunk = flat[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
-            if p.grad is None:
+            if g is None:
                 p.grad = chunk.clone()
             else:
-                p.grad.copy_(chunk)
+                g.copy_(chunk)
+
+
+def _grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
+    """Where p's gradient accumulates: DataParallel's `main_grad` view (which also holds it when
+    .grad is low precision and was folded in), else `.grad`."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
 
 
 def _shared_moe_layers(schedule, stage_modules) -> dict[str, tuple[tuple[int, ...], MoELayer]]:

@@ -341,10 +341,10 @@ def build_schedule(
                 )
             actions, stages, chunks = _dualpipe(pp, m), pp, 2
         elif name == "dualpipev":
-            if m % 2 or m < 2 * pp:
+            if m < 2 * pp:  # odd counts too, as DeepSeek's DualPipeV (num_chunks >= 2 * num_ranks)
                 raise ScheduleError(
-                    f"dualpipev: needs an even number of micro-batches >= 2*pp (pp = devices, "
-                    f"each holding 2 of the 2*pp stages); got pp={pp}, microbatches={m}"
+                    f"dualpipev: needs microbatches >= 2*pp (pp = devices, each holding 2 of the "
+                    f"2*pp stages; odd counts are fine); got pp={pp}, microbatches={m}"
                 )
             actions, stages, chunks = _dualpipev(pp, m), 2 * pp, 2
         else:

@@ -11,14 +11,12 @@ with the full backward of another) costs `FB` if given, else F + (B+W) - overlap
 overlap=0 runs the halves back to back, overlap=1 hides the shorter half entirely (max(F, B+W)),
 which is what hiding one micro-batch's all-to-all behind the other's compute aims at.
 
-Run `python -m moetron.pipeline.simulator --schedule 1f1b --pp 4 --microbatches 8`.
+Run `moetron simulate --schedule 1f1b --pp 4 --microbatches 8 --png timeline.png`.
 """
 
 from __future__ import annotations
 
 import argparse
-import struct
-import zlib
 from dataclasses import dataclass
 
 from moetron.pipeline.schedules import (
@@ -28,6 +26,7 @@ from moetron.pipeline.schedules import (
     build_schedule,
     run_in_order,
 )
+from moetron.pipeline.timeline_png import COLOURS, Block, draw_timeline, fill, text, text_width, write_png
 
 
 @dataclass(frozen=True)
@@ -82,22 +81,39 @@ class SimulationResult:
             legend += ", .c = chunk"
         return "\n".join(lines + [f"{'':8}{legend}; . idle; {_num(1 / chars_per_unit)} units/char"])
 
+    def picture(self, path: str, pixels_per_unit: float | None = None, row_height: int = 24) -> tuple[int, int]:
+        """The timeline as a PNG to read: rank labels, blocks labelled with their micro-batch, a time
+        axis, a legend and the bubble fraction in the title (`--png`). Returns (width, height)."""
+        s = self.schedule
+        blocks = [Block(e.rank, e.start, e.end, _kind(e.action),
+                        e.action.chunk, _label(e.action, s) if e.action.kind == "FB" else str(e.action.microbatch))
+                  for e in self.timeline]
+        vpp = f" VPP={s.chunks_per_rank}" if s.chunks_per_rank > 1 and s.name == "interleaved" else ""
+        title = (f"{s.name} PP={s.pp}{vpp} MICRO-BATCHES={s.microbatches}: BUBBLE "
+                 f"{self.bubble_fraction * 100:.1f}% OF BUSY TIME, MAKESPAN {_num(self.makespan)}")
+        return draw_timeline(path, blocks, ranks=s.pp, makespan=self.makespan, title=title,
+                             chunks=s.chunks_per_rank, pixels_per_unit=pixels_per_unit, row_height=row_height)
+
     def to_png(self, path: str, pixels_per_unit: int = 24, row_height: int = 20) -> None:
-        """Draw the timeline as a PNG (colour by kind, shade by chunk, micro-batch digits)."""
+        """The bare timeline strip (colour by kind, shade by chunk, micro-batch digits), one pixel
+        row band per rank; `picture` draws the annotated figure."""
         width = int(self.makespan * pixels_per_unit) + 2
         height = self.schedule.pp * row_height + 2
         image = [bytearray(b"\xff\xff\xff" * width) for _ in range(height)]
-        colours = {"F": (70, 130, 220), "B": (60, 170, 90), "b": (120, 200, 180),
-                   "W": (240, 170, 60), "FB": (150, 90, 200)}
         for e in self.timeline:
-            kind = "b" if e.action.kind == "B" and e.action.split_backward else e.action.kind
             shade = 1.0 - 0.3 * (e.action.chunk % 2)
-            colour = tuple(int(c * shade) for c in colours[kind])
+            colour = tuple(int(c * shade) for c in COLOURS[_kind(e.action)])
             x0, x1 = int(e.start * pixels_per_unit) + 1, int(e.end * pixels_per_unit) + 1
             y0 = e.rank * row_height + 1
-            _fill(image, x0, y0, x1 - 1, y0 + row_height - 1, colour)
-            _digits(image, str(e.action.microbatch), x0 + 2, y0 + (row_height - 5) // 2, x1 - 2)
-        _write_png(path, width, height, image)
+            fill(image, x0, y0, x1 - 1, y0 + row_height - 1, colour)
+            label = str(e.action.microbatch)
+            if x0 + 2 + text_width(label, 1) <= x1 - 2:
+                text(image, label, x0 + 2, y0 + (row_height - 5) // 2)
+        write_png(path, width, height, image)
+
+
+def _kind(action: Action) -> str:
+    return "b" if action.kind == "B" and action.split_backward else action.kind
 
 
 def _num(x: float) -> str:
@@ -195,51 +211,12 @@ def _peaks(pp: int, timeline: list[TimelineEntry]) -> list[int]:
     return peaks
 
 
-# ---------------------------------------------------------------------------------- PNG
-
-
-_FONT = [  # 3x5 digits 0-9, row by row
-    "111101101101111", "010110010010111", "111001111100111", "111001111001111", "101101111001001",
-    "111100111001111", "111100111101111", "111001010010010", "111101111101111", "111101111001111",
-]
-
-
-def _fill(image, x0: int, y0: int, x1: int, y1: int, colour) -> None:
-    for y in range(y0, y1):
-        image[y][3 * x0 : 3 * x1] = bytes(colour) * max(0, x1 - x0)
-
-
-def _digits(image, text: str, x: int, y: int, x_limit: int) -> None:
-    """3x5 pixel digits, drawn only where they fit inside the block."""
-    if x + 4 * len(text) - 1 > x_limit:
-        return
-    for digit in text:
-        glyph = _FONT[int(digit)]
-        for i, bit in enumerate(glyph):
-            if bit == "1":
-                px, py = x + i % 3, y + i // 3
-                image[py][3 * px : 3 * px + 3] = b"\x00\x00\x00"
-        x += 4
-
-
-def _write_png(path: str, width: int, height: int, rows) -> None:
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-
-    raw = b"".join(b"\x00" + bytes(row) for row in rows)  # filter type 0 per scanline
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
-    with open(path, "wb") as f:
-        f.write(b"\x89PNG\r\n\x1a\n")
-        f.write(chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)))
-        f.write(chunk(b"IEND", b""))
-
-
 # ---------------------------------------------------------------------------------- CLI
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m moetron.pipeline.simulator",
+        prog="moetron simulate",
         description="Simulate a pipeline schedule, draw its timeline.",
     )
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
@@ -267,8 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     print(result.to_text(args.chars_per_unit))
     print(result.summary())
     if args.png:
-        result.to_png(args.png)
-        print(f"wrote {args.png}")
+        width, height = result.picture(args.png)
+        print(f"wrote {args.png} ({width}x{height})")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Design notes: docs/pipeline.md (`moetron/pipeline/stage.py`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,10 @@ class PipelineStageModule(nn.Module):
         self.tied = model.lm_head is None
         self.embed_tokens = model.embed_tokens if _needs_embedding(self.stage, self.tied) else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in self.stage.decoder_layers})
+        if cfg.recompute_method == "block":  # Megatron: the first N layers of each pipeline stage
+            for position, i in enumerate(self.stage.decoder_layers):
+                plan = model.layers[i].recompute
+                model.layers[i].recompute = dataclasses.replace(plan, full=position < cfg.recompute_num_layers)
         self.mtp = nn.ModuleDict({str(j): model.mtp[j] for j in self.stage.mtp_layers})
         self.norm = model.norm if self.stage.has_loss else None
         self.lm_head = model.lm_head if self.stage.has_loss else None
@@ -231,9 +236,17 @@ def build_stage_modules(model: MoETransformer, layout: PipelineLayout, schedule,
 
     Placement comes from the schedule (`schedule.stages_of_rank`), not from the layout's
     `k % pp`, because V-shaped and bidirectional schedules place stages differently.
+    Parameters that several PP ranks hold are tagged `pipeline_shared = True`: their gradient
+    is final only once summed over the holders (DataParallel reduces them last).
     """
     check_layout_fits(layout, schedule)
-    return [PipelineStageModule(model, layout, s) for s in schedule.stages_of_rank(rank)]
+    modules = [PipelineStageModule(model, layout, s) for s in schedule.stages_of_rank(rank)]
+    shared = shared_parameter_ranks(layout, schedule, modules[0].tied)
+    for module in modules:
+        for name, param in module.named_parameters():
+            if parameter_key(name) in shared:
+                param.pipeline_shared = True
+    return modules
 
 
 def check_layout_fits(layout: PipelineLayout, schedule) -> None:

@@ -18,8 +18,9 @@ FORMAT_MAX = {E4M3: 448.0, E5M2: 57344.0}
 MANTISSA_BITS = {E4M3: 3, E5M2: 2}
 MIN_NORMAL_EXP = {E4M3: -6, E5M2: -14}
 TILE = 128
+MX_BLOCK = 32  # MXFP8: 1x32 blocks, one E8M0 (power-of-two) scale each
 MIN_SCALE = 1e-12  # all-zero tensors / tiles: any positive scale maps them to 0
-SCALINGS = ("tensorwise", "delayed", "blockwise")
+SCALINGS = ("tensorwise", "delayed", "blockwise", "mxfp8")
 FORMATS = ("hybrid", "e4m3")
 GEMM_BACKENDS = ("auto", "emulate", "torch", "te")
 ROLES = ("input", "weight", "grad_output")  # rows of a delayed-scaling amax history
@@ -60,9 +61,14 @@ class FP8Recipe:
             fail("margin", "must be an integer >= 0")
         if self.backend not in GEMM_BACKENDS:
             fail("backend", f"choose one of {GEMM_BACKENDS}")
-        if self.backend == "torch" and self.scaling == "blockwise":
-            fail("backend", "the torch backend runs tensorwise scales only; use 'auto', 'emulate' or 'te' "
-                            "for blockwise scaling")
+        if self.backend == "torch" and self.scaling in ("blockwise", "mxfp8"):
+            fail("backend", f"the torch backend runs tensorwise scales only; use 'auto', 'emulate' or 'te' "
+                            f"for {self.scaling} scaling")
+        if self.scaling == "mxfp8" and not self.power_of_two_scales:
+            fail("power_of_two_scales", "mxfp8 scales are E8M0 (powers of two): leave it True")
+        if self.scaling == "mxfp8" and self.grouped_pad_multiple % MX_BLOCK:
+            fail("grouped_pad_multiple", f"mxfp8 grouped GEMMs need each expert's rows padded to a multiple of "
+                                         f"{MX_BLOCK} (its 32x1 weight-gradient blocks)")
         if not isinstance(self.grouped_pad_multiple, int) or self.grouped_pad_multiple < 1:
             fail("grouped_pad_multiple", "must be a positive integer (16 for FP8 grouped GEMMs)")
 
@@ -90,7 +96,14 @@ def blockwise(**overrides) -> FP8Recipe:
     return FP8Recipe("blockwise", **{"fp8_format": "e4m3", **overrides})
 
 
-FP8_RECIPES = {"tensorwise": tensorwise, "delayed": delayed, "blockwise": blockwise}
+def mxfp8(**overrides) -> FP8Recipe:
+    """OCP MX (TE's MXFP8BlockScaling): 1x32 blocks along each GEMM's contraction dim with E8M0
+    power-of-two scales; E4M3 by default; expert rows padded to 32."""
+    return FP8Recipe("mxfp8", **{"fp8_format": "e4m3", "power_of_two_scales": True,
+                                 "grouped_pad_multiple": MX_BLOCK, **overrides})
+
+
+FP8_RECIPES = {"tensorwise": tensorwise, "delayed": delayed, "blockwise": blockwise, "mxfp8": mxfp8}
 
 
 def get_fp8_recipe(name: str | FP8Recipe, **overrides) -> FP8Recipe:
@@ -176,11 +189,18 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return Quantized(cast_with_scale(x, expanded, dtype), scale, row_map, None)
 
 
-def quantize_row_tiles(x_NK: torch.Tensor, power_of_two: bool = False) -> Quantized:
-    """E4M3 with one scale per 1×128 tile along the last dim (a last partial tile its own)."""
-    data, scale = quantize_rows(x_NK, power_of_two=power_of_two, block=TILE)
-    col_map = torch.arange(x_NK.shape[-1], device=x_NK.device) // TILE
-    return Quantized(data, scale, None, col_map)
+def quantize_row_tiles(x_NK: torch.Tensor, power_of_two: bool = False, tile: int = TILE) -> Quantized:
+    """E4M3 with one scale per 1×`tile` tile along the last dim (a last partial tile its own);
+    `x` may be `[..., R, K]` (per-expert weights)."""
+    data, scale = quantize_rows(x_NK.detach(), power_of_two=power_of_two, block=tile)
+    col_map = torch.arange(x_NK.shape[-1], device=x_NK.device) // tile
+    return Quantized(data, _e8m0(scale) if tile == MX_BLOCK else scale, None, col_map)
+
+
+def _e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """MX scales stored as E8M0 where torch has the dtype (exact: they are powers of two)."""
+    e8m0 = getattr(torch, "float8_e8m0fnu", None)
+    return scale if e8m0 is None else scale.to(e8m0)
 
 
 def quantize_weight_blocks(w: torch.Tensor, power_of_two: bool = False) -> Quantized:
@@ -196,30 +216,31 @@ def quantize_weight_blocks(w: torch.Tensor, power_of_two: bool = False) -> Quant
 
 
 def quantize_token_tiles(x_NK: torch.Tensor, rows_per_group: torch.Tensor | None = None,
-                         power_of_two: bool = False, dtype: torch.dtype = E4M3) -> Quantized:
-    """One scale per 128×1 tile: 128 consecutive rows (tokens) of one column, tiles restarting at
-    each group's first row (`rows_per_group`; one group when None). For the weight-gradient GEMM,
-    whose contraction runs over tokens."""
+                         power_of_two: bool = False, dtype: torch.dtype = E4M3, tile: int = TILE) -> Quantized:
+    """One scale per `tile`×1 tile (128×1; 32×1 for MXFP8): consecutive rows (tokens) of one column,
+    tiles restarting at each group's first row (`rows_per_group`; one group when None). For the
+    weight-gradient GEMM, whose contraction runs over tokens."""
     N, K = x_NK.shape
     device = x_NK.device
     rows = torch.arange(N, device=device)
     if rows_per_group is None:
-        tile_of_row, num_tiles = rows // TILE, -(-N // TILE)
+        tile_of_row, num_tiles = rows // tile, -(-N // tile)
         slot = rows
     else:
         counts = rows_per_group.to(device)
         group = group_of_rows(counts, N)
         local = rows - (torch.cumsum(counts, 0) - counts)[group]
-        tiles = -(-counts // TILE)
-        tile_of_row = (torch.cumsum(tiles, 0) - tiles)[group] + local // TILE
-        num_tiles = N // TILE + counts.numel()  # an upper bound of sum(ceil(count/128)): no host sync
-        slot = tile_of_row * TILE + local % TILE
+        tiles = -(-counts // tile)
+        tile_of_row = (torch.cumsum(tiles, 0) - tiles)[group] + local // tile
+        num_tiles = N // tile + counts.numel()  # an upper bound of sum(ceil(count/128)): no host sync
+        slot = tile_of_row * tile + local % tile
     # rows laid out tile by tile (zero-filled to whole tiles), then one amax per (tile, column)
-    tiled = x_NK.new_zeros(max(num_tiles, 1) * TILE, K, dtype=torch.float32)
+    tiled = x_NK.new_zeros(max(num_tiles, 1) * tile, K, dtype=torch.float32)
     tiled.index_copy_(0, slot, x_NK.detach().abs().float())
-    amax = tiled.view(-1, TILE, K).amax(dim=1)
+    amax = tiled.view(-1, tile, K).amax(dim=1)
     scale = scale_from_amax(amax, dtype, 0, power_of_two)
-    return Quantized(cast_with_scale(x_NK, scale.index_select(0, tile_of_row), dtype), scale, tile_of_row, None)
+    data = cast_with_scale(x_NK, scale.index_select(0, tile_of_row), dtype)
+    return Quantized(data, _e8m0(scale) if tile == MX_BLOCK else scale, tile_of_row, None)
 
 
 # ---- delayed scaling -------------------------------------------------------------------------
@@ -258,6 +279,8 @@ def quantize_operand(x: torch.Tensor, role: str, recipe: FP8Recipe, history: tor
     p2 = recipe.power_of_two_scales
     if recipe.scaling == "blockwise":
         return quantize_weight_blocks(x, p2) if role == "weight" else quantize_row_tiles(x, p2)
+    if recipe.scaling == "mxfp8":  # 1x32 along the contraction dim (K), weights included
+        return _mx_rows(x, dtype)
     # tensorwise / delayed: one amax per tensor, per group (expert)
     if role == "weight":
         amax = x.detach().abs().float().amax(dim=(-2, -1)).reshape(-1)
@@ -281,15 +304,37 @@ def quantize_operand(x: torch.Tensor, role: str, recipe: FP8Recipe, history: tor
 def quantize_for_wgrad(x: torch.Tensor, q_fwd: Quantized, role: str, recipe: FP8Recipe,
                        rows_per_group: torch.Tensor | None = None) -> Quantized:
     """The operand of the weight-gradient GEMM (contraction over tokens): the same quantization
-    for tensorwise/delayed, 128×1 token tiles (per group) for blockwise."""
-    if recipe.scaling != "blockwise":
+    for tensorwise/delayed, 128×1 token tiles (per group) for blockwise, 32×1 for mxfp8."""
+    if recipe.scaling not in ("blockwise", "mxfp8"):
         return q_fwd
     dtype = recipe.grad_dtype if role == "grad_output" else recipe.forward_dtype
-    return quantize_token_tiles(x, rows_per_group, recipe.power_of_two_scales, dtype)
+    tile = MX_BLOCK if recipe.scaling == "mxfp8" else TILE
+    return quantize_token_tiles(x, rows_per_group, recipe.power_of_two_scales, dtype, tile)
+
+
+def quantize_weight_for_dgrad(w: torch.Tensor, q_fwd: Quantized, recipe: FP8Recipe) -> Quantized:
+    """The weight operand of the input-gradient GEMM (contraction over output features): the
+    forward's quantization, except mxfp8, whose 1-D blocks must run along O (columnwise copy)."""
+    if recipe.scaling != "mxfp8":
+        return q_fwd
+    return _mx_rows(w.transpose(-2, -1), recipe.forward_dtype).t()
+
+
+def _mx_rows(x: torch.Tensor, dtype: torch.dtype) -> Quantized:
+    """1x32 blocks along the last dim with power-of-two (E8M0) scales, in `dtype`."""
+    if dtype == E4M3:
+        return quantize_row_tiles(x, True, MX_BLOCK)
+    xb = x.detach().float()
+    K = x.shape[-1]
+    col_map = torch.arange(K, device=x.device) // MX_BLOCK
+    pad = -K % MX_BLOCK
+    blocks = torch.nn.functional.pad(xb.abs(), (0, pad)).unflatten(-1, (-1, MX_BLOCK))
+    scale = scale_from_amax(blocks.amax(-1), dtype, 0, True)
+    return Quantized(cast_with_scale(xb, scale.index_select(-1, col_map), dtype), _e8m0(scale), None, col_map)
 
 
 __all__ = [
     "E4M3", "E5M2", "FORMAT_MAX", "MANTISSA_BITS", "MIN_NORMAL_EXP", "FP8Recipe", "FP8_RECIPES", "Quantized",
-    "tensorwise", "delayed", "blockwise", "get_fp8_recipe", "scale_from_amax", "quantize_row_tiles",
+    "tensorwise", "delayed", "blockwise", "mxfp8", "get_fp8_recipe", "quantize_weight_for_dgrad", "MX_BLOCK", "scale_from_amax", "quantize_row_tiles",
     "quantize_weight_blocks", "quantize_token_tiles", "quantize_operand", "quantize_for_wgrad", "delayed_scale",
 ]

@@ -6,33 +6,15 @@ Design notes: docs/fp8.md (`moetron/precision/fp8.py`).
 
 from __future__ import annotations
 
-
 import torch
 
 from moetron import backends
 from moetron.moe.grouped_gemm import grouped_linear
-
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-FORMAT_MAX = {E4M3: 448.0, E5M2: 57344.0}
-MANTISSA_BITS = {E4M3: 3, E5M2: 2}
-MIN_NORMAL_EXP = {E4M3: -6, E5M2: -14}
-TILE = 128
-MIN_SCALE = 1e-12  # all-zero tensors / tiles: any positive scale maps them to 0
-SCALINGS = ("tensorwise", "delayed", "blockwise")
-FORMATS = ("hybrid", "e4m3")
-GEMM_BACKENDS = ("auto", "emulate", "torch", "te")
-ROLES = ("input", "weight", "grad_output")  # rows of a delayed-scaling amax history
-
-
-from moetron.precision.fp8 import (FP8Recipe, Quantized, quantize_for_wgrad, quantize_operand)
+from moetron.precision.fp8 import (FP8Recipe, Quantized, quantize_for_wgrad, quantize_operand,
+                                   quantize_weight_for_dgrad)
 
 
 # ---- GEMMs ---------------------------------------------------------------------------------
-
-
-def _te_available() -> bool:
-    return backends._has_module("transformer_engine") and torch.cuda.is_available()
 
 
 def _scaled_mm_supported(device: torch.device) -> bool:
@@ -52,15 +34,6 @@ def check_backend(recipe: FP8Recipe) -> None:
     elif recipe.backend == "torch" and not hasattr(torch, "_scaled_mm"):
         raise RuntimeError("FP8 backend 'torch' was requested but this torch build has no torch._scaled_mm; "
                            "use backend='emulate' or 'auto'")
-
-
-def module_backend(recipe: FP8Recipe) -> str:
-    """The backend a module uses: 'te' as a whole module, or a GEMM backend ('auto' resolves per
-    GEMM between 'torch' and 'emulate')."""
-    check_backend(recipe)
-    if recipe.backend == "auto":
-        return "te" if _te_available() else "auto"
-    return recipe.backend
 
 
 def _use_scaled_mm(backend: str, device: torch.device, tensorwise_scales: bool, dims: tuple[int, ...],
@@ -180,10 +153,11 @@ class _FP8Linear(torch.autograd.Function):
         if bias is not None:
             y = y + bias.to(y.dtype)
         qx_w = quantize_for_wgrad(x2, qx, "input", recipe) if ctx.needs_input_grad[1] else None
+        qw_d = quantize_weight_for_dgrad(weight, qw, recipe)
         ctx.recipe, ctx.backend, ctx.history = recipe, backend, history
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.shape, x.dtype, weight.dtype, bias is not None
         ctx.has_qx = qx_w is not None
-        ctx.save_for_backward(*qw.tensors(), *(qx_w.tensors() if qx_w is not None else ()))
+        ctx.save_for_backward(*qw_d.tensors(), *(qx_w.tensors() if qx_w is not None else ()))
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -230,9 +204,10 @@ class _FP8GroupedLinear(torch.autograd.Function):
         qw = quantize_operand(weight, "weight", recipe, history)
         y = fp8_grouped_gemm(qx, qw, rows_per_expert, x.dtype, backend, expert_backend)
         qx_w = quantize_for_wgrad(x, qx, "input", recipe, rows_per_expert)
+        qw_d = quantize_weight_for_dgrad(weight, qw, recipe)
         ctx.recipe, ctx.backend, ctx.history, ctx.expert_backend = recipe, backend, history, expert_backend
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        ctx.save_for_backward(rows_per_expert, *qw.tensors(), *qx_w.tensors())
+        ctx.save_for_backward(rows_per_expert, *qw_d.tensors(), *qx_w.tensors())
         return y
 
     @staticmethod
@@ -266,5 +241,4 @@ def fp8_grouped_linear(x_NK: torch.Tensor, w_EOK: torch.Tensor, rows_per_expert:
     return _FP8GroupedLinear.apply(x_NK, w_EOK, rows_per_expert, recipe, history, backend, expert_backend)
 
 
-__all__ = ["check_backend", "fp8_gemm", "fp8_grouped_gemm", "fp8_grouped_linear", "fp8_grouped_wgrad", "fp8_linear",
-           "module_backend"]
+__all__ = ["check_backend", "fp8_gemm", "fp8_grouped_gemm", "fp8_grouped_linear", "fp8_grouped_wgrad", "fp8_linear"]

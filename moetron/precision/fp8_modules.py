@@ -16,19 +16,44 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from moetron import backends
 from moetron.moe.experts import GroupedExperts
 from moetron.moe.layer import MoELayer
 from moetron.ops import swiglu
 from moetron.precision.fp8 import ROLES, FP8Recipe, get_fp8_recipe
-from moetron.precision.fp8_matmul import fp8_grouped_linear, fp8_linear, module_backend
+from moetron.precision.fp8_backend import choose_fp8_backend, probe_capabilities
+from moetron.precision.fp8_matmul import check_backend, fp8_grouped_linear, fp8_linear
+from moetron.precision.te_modules import te_experts_forward, te_linear_forward, te_shape_problem
 from moetron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 HISTORY = "fp8_amax_history"
 
 
-def _init_fp8(module: nn.Module, recipe: FP8Recipe, groups: int, device: torch.device) -> None:
+def fp8_backend_choice(recipe: FP8Recipe | str) -> tuple[str, str]:
+    """`(backend, reason)`: what `apply_fp8` runs `recipe` on here (see fp8_backend.py)."""
+    recipe = get_fp8_recipe(recipe)
+    check_backend(recipe)
+    return choose_fp8_backend(recipe, probe_capabilities())
+
+
+def _module_backend(name: str, recipe: FP8Recipe, chosen: str, shapes: list[tuple[int, int]]) -> str:
+    """The chosen backend, unless TE cannot take this module's shapes: then an error when TE was
+    asked for, the GEMM backends ('auto') when TE was only picked by 'auto'."""
+    if chosen != "te":
+        return chosen
+    problem = next((p for p in (te_shape_problem(i, o) for i, o in shapes) if p), None)
+    if problem is None:
+        return "te"
+    if recipe.backend == "te":
+        raise ValueError(f"module {name!r}: {problem}. Exclude it (apply_fp8(..., exclude=[{name!r}])), change the "
+                         f"model's sizes, or use train.fp8_backend=auto / emulate")
+    return "auto"
+
+
+def _init_fp8(module: nn.Module, recipe: FP8Recipe, groups: int, device: torch.device, backend: str = "auto") -> None:
     module.fp8_recipe = recipe
-    module.fp8_backend = module_backend(recipe)
+    module.fp8_backend = backend
+    module.fp8_amax_group = None  # TE's amax_reduction_group (apply_fp8's amax_group)
     length = recipe.amax_history_len if recipe.scaling == "delayed" else 0
     module.register_buffer(HISTORY, torch.zeros(len(ROLES), length, groups, device=device), persistent=False)
     object.__setattr__(module, "_te_module", None)  # built on first use, outside the module tree
@@ -39,11 +64,12 @@ def _history(module: nn.Module) -> torch.Tensor | None:
 
 
 def _gemm_backend(module: nn.Module, x: torch.Tensor) -> str:
-    """'te' (run the Transformer Engine module) for CUDA inputs when TE was chosen; otherwise the
-    GEMM backend. A CPU input of a module that auto-selected TE uses the auto GEMMs."""
+    """'te' (run the Transformer Engine module) for CUDA inputs (or TE's CPU fake) when TE was
+    chosen; otherwise the GEMM backend. A CPU input of a module that auto-selected TE uses the
+    auto GEMMs."""
     if module.fp8_backend != "te":
         return module.fp8_backend
-    if x.is_cuda:
+    if x.is_cuda or backends.cpu_fake("transformer_engine"):
         return "te"
     if module.fp8_recipe.backend == "te":
         raise RuntimeError(f"FP8 backend 'te' (Transformer Engine) runs on CUDA tensors only; got {x.device}")
@@ -57,18 +83,22 @@ class FP8Linear(nn.Linear):
     fp8_backend: str
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: FP8Recipe | str) -> FP8Linear:
+    def from_linear(cls, linear: nn.Linear, recipe: FP8Recipe | str, backend: str | None = None,
+                    name: str = "linear") -> FP8Linear:
         """Convert `linear` in place (same parameters) and return it."""
         if type(linear) is not nn.Linear:
             raise TypeError(f"FP8Linear.from_linear expects a plain nn.Linear, got {type(linear).__name__}")
+        recipe = get_fp8_recipe(recipe)
+        backend = _module_backend(name, recipe, backend or fp8_backend_choice(recipe)[0],
+                                  [(linear.in_features, linear.out_features)])
         linear.__class__ = cls
-        _init_fp8(linear, get_fp8_recipe(recipe), 1, linear.weight.device)
+        _init_fp8(linear, recipe, 1, linear.weight.device, backend)
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         backend = _gemm_backend(self, x)
         if backend == "te":
-            return _te_linear_forward(self, x)
+            return te_linear_forward(self, x)
         return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, _history(self), backend)
 
     def extra_repr(self) -> str:
@@ -83,15 +113,20 @@ class FP8GroupedExperts(GroupedExperts):
 
     fp8_recipe: FP8Recipe
     fp8_backend: str
+    takes_probs = False  # the combine applies the routing weights (moe/layer.py: probs_on_experts)
 
     @classmethod
-    def from_experts(cls, experts: GroupedExperts, recipe: FP8Recipe | str) -> FP8GroupedExperts:
+    def from_experts(cls, experts: GroupedExperts, recipe: FP8Recipe | str, backend: str | None = None,
+                     name: str = "experts") -> FP8GroupedExperts:
         """Convert `experts` in place (same parameters) and return it."""
         if type(experts) is not GroupedExperts:
             raise TypeError(f"FP8GroupedExperts.from_experts expects GroupedExperts, got {type(experts).__name__}")
+        recipe = get_fp8_recipe(recipe)
+        H, F = experts.gate_up_proj.shape[-1], experts.local_ffn_size
+        backend = _module_backend(name, recipe, backend or fp8_backend_choice(recipe)[0], [(H, 2 * F), (F, H)])
         experts.__class__ = cls
         # delayed scaling: columns [0, E) for gate_up, [E, 2E) for down
-        _init_fp8(experts, get_fp8_recipe(recipe), 2 * experts.num_local_experts, experts.gate_up_proj.device)
+        _init_fp8(experts, recipe, 2 * experts.num_local_experts, experts.gate_up_proj.device, backend)
         return experts
 
     def extra_repr(self) -> str:
@@ -107,7 +142,7 @@ class FP8GroupedExperts(GroupedExperts):
     def forward(self, x_NH: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
         backend = _gemm_backend(self, x_NH)
         if backend == "te":
-            return _te_experts_forward(self, x_NH, rows_per_expert)
+            return te_experts_forward(self, x_NH, rows_per_expert)
         gate_up = self._linear(x_NH, self.gate_up_proj, rows_per_expert, 0, backend)
         gate, up = gate_up.split(self.local_ffn_size, dim=-1)
         return self._linear(swiglu(gate, up), self.down_proj, rows_per_expert, 1, backend)
@@ -127,14 +162,17 @@ def _high_precision_linears(model: nn.Module) -> set[int]:
     return keep
 
 
-def apply_fp8(model: nn.Module, recipe: FP8Recipe | str, *, exclude: Iterable[str] = ()) -> nn.Module:
+def apply_fp8(model: nn.Module, recipe: FP8Recipe | str, *, exclude: Iterable[str] = (),
+              amax_group=None) -> nn.Module:
     """Make `model`'s projections and routed experts FP8, in place; returns `model`.
 
-    `recipe`: an FP8Recipe or a name ("tensorwise", "delayed", "blockwise"). `exclude`: fnmatch
-    patterns of module names (as in `named_modules()`) to keep in high precision.
+    `recipe`: an FP8Recipe or a name ("tensorwise", "delayed", "blockwise", "mxfp8"). `exclude`:
+    fnmatch patterns of module names (as in `named_modules()`) to keep in high precision.
+    `amax_group`: the ProcessGroup Transformer Engine reduces amaxes over (the stage's data/context
+    parallel ranks; None in one process). The backend is chosen once: `fp8_backend_choice`.
     """
     recipe = get_fp8_recipe(recipe)
-    module_backend(recipe)  # a named backend that cannot run here fails now, not at the first step
+    chosen, _ = fp8_backend_choice(recipe)  # a named backend that cannot run here fails now
     patterns = list(exclude)
     keep = _high_precision_linears(model)
     targets = []
@@ -148,12 +186,13 @@ def apply_fp8(model: nn.Module, recipe: FP8Recipe | str, *, exclude: Iterable[st
                                       f"tensor parallelism is not supported yet (exclude it to keep it in "
                                       f"high precision)")
         if type(module) is nn.Linear or type(module) is GroupedExperts:
-            targets.append(module)
-    for module in targets:
+            targets.append((name, module))
+    for name, module in targets:
         if isinstance(module, GroupedExperts):
-            FP8GroupedExperts.from_experts(module, recipe)
+            FP8GroupedExperts.from_experts(module, recipe, chosen, name)
         else:
-            FP8Linear.from_linear(module, recipe)
+            FP8Linear.from_linear(module, recipe, chosen, name)
+        module.fp8_amax_group = amax_group
     for module in model.modules():  # FP8 grouped GEMMs want each expert's rows padded
         if isinstance(module, MoELayer) and isinstance(module.experts, FP8GroupedExperts):
             dispatcher = module.dispatcher
@@ -188,69 +227,5 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> Non
         mine[key].copy_(t)
 
 
-# ---- Transformer Engine (CUDA, transformer_engine installed) ---------------------------------
-
-
-def te_recipe(recipe: FP8Recipe):
-    """The Transformer Engine recipe object for `recipe`."""
-    from transformer_engine.common import recipe as te_r
-
-    fmt = te_r.Format.HYBRID if recipe.fp8_format == "hybrid" else te_r.Format.E4M3
-    if recipe.scaling == "delayed":
-        return te_r.DelayedScaling(margin=recipe.margin, fp8_format=fmt, amax_history_len=recipe.amax_history_len,
-                                   amax_compute_algo=recipe.amax_compute_algo)
-    if recipe.scaling == "tensorwise":
-        return te_r.Float8CurrentScaling(fp8_format=fmt)
-    return te_r.Float8BlockScaling(fp8_format=fmt)
-
-
-def _te_autocast(recipe: FP8Recipe):
-    import transformer_engine.pytorch as te
-
-    if hasattr(te, "autocast"):  # TE >= 2.8
-        return te.autocast(enabled=True, recipe=te_recipe(recipe))
-    return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe(recipe))
-
-
-def _te_linear_forward(module: FP8Linear, x: torch.Tensor) -> torch.Tensor:
-    import transformer_engine.pytorch as te
-
-    if module._te_module is None:
-        tl = te.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                       params_dtype=module.weight.dtype, device=module.weight.device)
-        object.__setattr__(module, "_te_module", tl)
-    tl = module._te_module
-    tl.train(module.training)
-    tl._parameters["weight"] = module.weight  # share our parameters (same objects, our names)
-    if module.bias is not None:
-        tl._parameters["bias"] = module.bias
-    with _te_autocast(module.fp8_recipe):
-        return tl(x)
-
-
-def _te_experts_forward(module: FP8GroupedExperts, x_NH: torch.Tensor, rows_per_expert: torch.Tensor
-                        ) -> torch.Tensor:
-    import transformer_engine.pytorch as te
-
-    E, F, H = module.num_local_experts, module.local_ffn_size, module.gate_up_proj.shape[-1]
-    if module._te_module is None:
-        kw = dict(bias=False, params_dtype=module.gate_up_proj.dtype, device=module.gate_up_proj.device)
-        object.__setattr__(module, "_te_module", (te.GroupedLinear(E, H, 2 * F, **kw), te.GroupedLinear(E, F, H, **kw)))
-    splits = rows_per_expert.tolist()
-    for tg in module._te_module:
-        tg.train(module.training)
-    outs = x_NH
-    with _te_autocast(module.fp8_recipe):
-        for tg, weight, act in zip(module._te_module, (module.gate_up_proj, module.down_proj), (True, False)):
-            for e in range(E):  # our [E,O,I] parameter's slices stand in for TE's weight{e}
-                tg._parameters.pop(f"weight{e}", None)
-                object.__setattr__(tg, f"weight{e}", weight[e])
-            outs = tg(outs, splits)
-            if act:
-                gate, up = outs.split(F, dim=-1)
-                outs = swiglu(gate, up)
-    return outs
-
-
-__all__ = ["FP8Linear", "FP8GroupedExperts", "apply_fp8", "fp8_modules", "fp8_state_dict", "load_fp8_state_dict",
-           "te_recipe"]
+__all__ = ["FP8Linear", "FP8GroupedExperts", "apply_fp8", "fp8_backend_choice", "fp8_modules", "fp8_state_dict",
+           "load_fp8_state_dict"]

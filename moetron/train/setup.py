@@ -13,12 +13,16 @@ steer routing (expert bias, token counts) stay fp32 in both.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from moetron.backends import backend_status
+from moetron.dispatch.permute import impl_status, set_permute_impl
 from moetron.model.model import MoETransformer
 from moetron.model.parallelize import parallelize
 from moetron.ops import set_fusion
@@ -26,12 +30,12 @@ from moetron.optim import DistributedOptimizer, ReplicatedAdamW
 from moetron.parallel.data_parallel import DataParallel
 from moetron.pipeline.runtime import sync_shared_parameters
 from moetron.pipeline.stage import parameter_key, pipeline_stages, shared_parameter_ranks
-from moetron.precision import apply_fp8, get_fp8_recipe
+from moetron.precision import apply_fp8, fp8_backend_choice, get_fp8_recipe
 from moetron.parallel import ParallelState, init_from_env, validate_for_model
 from moetron.config import Recipe
 from moetron.data.builtin import BYTE_VOCAB
 from moetron.data.prepare import is_prepared
-from moetron.train.metrics import require_tensorboard
+from moetron.train.metrics import require_tensorboard, require_wandb
 
 
 @dataclass
@@ -69,18 +73,104 @@ def check_run_inputs(recipe: Recipe) -> None:
             require_tensorboard()
         except ImportError as exc:
             raise ValueError(str(exc)) from None
+    if t.wandb_project:
+        try:
+            require_wandb()
+        except ImportError as exc:
+            raise ValueError(str(exc)) from None
+    _check_backends(recipe)
+
+
+# field=value -> (backend probe name, how to get it)
+_BACKENDS = {
+    ("model.attention_backend", "flash_attn"): ("flash_attn", "pip install flash-attn --no-build-isolation"),
+    ("model.attention_backend", "te"): ("transformer_engine", "pip install transformer_engine[pytorch]"),
+    ("model.expert_backend", "grouped_gemm"): ("grouped_gemm", "pip install grouped_gemm"),
+    ("parallel.flex_backend", "deepep"): ("deep_ep", "build and install DeepEP: https://github.com/deepseek-ai/DeepEP"),
+    ("parallel.flex_backend", "nvshmem"): ("nvshmem", "a torch build with NVSHMEM (CUDA wheels from pytorch.org)"),
+    ("train.fp8_backend", "te"): ("transformer_engine", "pip install transformer_engine[pytorch]"),
+}
+
+
+def _check_backends(recipe: Recipe) -> None:
+    """Every optional backend the recipe names can run here (moetron.backends' probes), before any
+    process group exists: one line naming the field and the fix, not a traceback mid-setup."""
+    values = {"model.attention_backend": recipe.model.attention_backend,
+              "model.expert_backend": recipe.model.expert_backend,
+              "parallel.flex_backend": recipe.parallel.flex_backend if recipe.parallel.dispatcher == "flex" else None,
+              "train.fp8_backend": recipe.train.fp8_backend if recipe.train.fp8 else None}
+    status = {s.name: s for s in backend_status()}
+    for (name, value), (probe, fix) in _BACKENDS.items():
+        if values[name] == value and not status[probe].available:
+            missing = "not installed" in status[probe].reason
+            raise ValueError(f"{name}={value}: {status[probe].reason}. "
+                             + (f"Install it ({fix})" if missing else "Run on a GPU machine")
+                             + " or choose another backend; `moetron env` lists what this machine has")
+    impl = recipe.train.permute_impl
+    if impl in ("cpp", "triton"):
+        device = resolve_device(recipe.train.device)
+        ok, reason = next((ok, why) for name, ok, why in impl_status(device, build=impl == "cpp") if name == impl)
+        if not ok:
+            raise ValueError(f"train.permute_impl={impl}: {reason}; choose train.permute_impl=auto or torch")
+
+
+def resolve_batch_size(recipe: Recipe, world_size: int) -> Recipe:
+    """`train.global_batch_size` -> `train.grad_accum` (global = dp x grad_accum x micro_batch_size),
+    an error naming the sizes when it does not divide; the ramp-up's sizes are checked the same way.
+    Semantics: docs/megatron_switches.md ("Batch size")."""
+    t = recipe.train
+    if t.global_batch_size is None:
+        return recipe
+    dp = recipe.parallel.resolve(world_size).dp
+    per = dp * t.micro_batch_size
+    sizes = [t.global_batch_size] + list(t.batch_size_rampup or [])[:2]
+    bad = [v for v in sizes if v % per]
+    if bad:
+        raise ValueError(f"train.global_batch_size={t.global_batch_size}"
+                         + (f", batch_size_rampup={list(t.batch_size_rampup)}" if t.batch_size_rampup else "")
+                         + f": {bad[0]} is not a multiple of dp x train.micro_batch_size = {dp} x {t.micro_batch_size} "
+                         f"= {per}; change the batch sizes, train.micro_batch_size or the layout")
+    accum = t.global_batch_size // per
+    if t.grad_accum not in (1, accum):
+        raise ValueError(f"train.grad_accum={t.grad_accum} and train.global_batch_size={t.global_batch_size} "
+                         f"(= {accum} micro-batches of {t.micro_batch_size} on each of {dp} replicas) disagree: set one")
+    if t.batch_size_rampup and recipe.parallel.pp > 1:
+        raise ValueError("train.batch_size_rampup with parallel.pp > 1 is not supported (the pipeline schedule is "
+                         "built for one micro-batch count); drop the ramp-up or use parallel.pp=1")
+    return dataclasses.replace(recipe, train=dataclasses.replace(t, grad_accum=accum))
+
+
+def microbatches_at(t, dp: int, step: int) -> int:
+    """Micro-batches per data-parallel rank in `step`: train.grad_accum, or less during the ramp-up."""
+    if not t.batch_size_rampup:
+        return t.grad_accum
+    ramp = _rampup_batches(t.global_batch_size, *t.batch_size_rampup)
+    return (ramp[step] if step < len(ramp) else t.global_batch_size) // (dp * t.micro_batch_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _rampup_batches(global_batch: int, start: int, increment: int, ramp_samples: int) -> list[int]:
+    """Megatron's RampupBatchsizeNumMicroBatchesCalculator: the global batch of each step until it is
+    full; `start + increment * int(consumed / (ramp_samples / increments))` while consumed <= ramp_samples."""
+    per_increment = ramp_samples / ((global_batch - start) // increment)
+    batches, consumed = [], 0
+    while consumed <= ramp_samples:
+        batch = min(start + increment * int(consumed / per_increment), global_batch)
+        batches.append(batch)
+        consumed += batch
+    return batches
 
 
 def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
     """AdamW; norms, biases and other 1-D parameters get no weight decay. On a GPU, torch's fused
-    kernel (one pass instead of several foreach ops); on the CPU torch's default."""
+    kernel (one pass instead of several foreach ops), on the CPU too (torch's CPU default is a
+    Python loop over the tensors: 7x slower on a 54M-parameter model, 4x on the tiny recipe)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     t = recipe.train
-    fused = True if next(model.parameters()).is_cuda else None
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=tuple(t.betas),
-                             fused=fused)
+                             fused=True)
 
 
 def _check_layout(recipe: Recipe, ps: ParallelState) -> None:
@@ -109,13 +199,28 @@ def _pipeline(recipe: Recipe, model: MoETransformer, ps: ParallelState, log):
     return schedule, stages
 
 
-def _apply_fp8(model: MoETransformer, t) -> None:
+def fp8_exclusions(t, num_layers: int) -> list[str]:
+    """Module-name patterns kept in high precision: Megatron's first/last-layers-in-bf16 switch."""
+    if not t.first_last_layers_bf16:
+        return []
+    start, end = t.num_layers_at_start_in_bf16, t.num_layers_at_end_in_bf16
+    kept = sorted(set(range(start)) | set(range(num_layers - end, num_layers)))
+    return [f"layers.{i}.*" for i in kept]
+
+
+def _apply_fp8(model: MoETransformer, t, ps: ParallelState | None = None, log=None) -> None:
     c = model.config
-    if t.fp8 == "delayed" and (c.recompute_modules or c.recompute_every_n_layers):
+    if t.fp8 == "delayed" and (c.recompute_modules or c.recompute_every_n_layers or c.recompute_method):
         raise ValueError("train.fp8=delayed with recomputation: the recomputed forward would update the amax "
                          "history twice; use train.fp8=tensorwise or blockwise, or turn recomputation off")
     if t.fp8:
-        apply_fp8(model, get_fp8_recipe(t.fp8, backend=t.fp8_backend))
+        recipe = get_fp8_recipe(t.fp8, backend=t.fp8_backend)
+        backend, reason = fp8_backend_choice(recipe)
+        if log is not None and (ps is None or ps.rank == 0):
+            log(f"fp8 {t.fp8}: backend {backend} ({reason})")
+        # TE reduces amaxes over the ranks that hold the same modules of this pipeline stage
+        amax_group = ps.dp_cp.handle if ps is not None else None
+        apply_fp8(model, recipe, exclude=fp8_exclusions(t, c.num_layers), amax_group=amax_group)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -164,18 +269,20 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
                          "master weights that low-precision parameters need")
     device = resolve_device(t.device)
     set_fusion(t.fusion)  # process-wide: RMSNorm, SwiGLU, RoPE, cross-entropy
+    if t.permute_impl is not None:  # the recipe's choice over $MOETRON_PERMUTE_IMPL
+        set_permute_impl(t.permute_impl)
     ps = init_from_env(p)
     torch.manual_seed(t.seed)
     model = MoETransformer(recipe.model)
     if ps.world_size == 1 and dtype == torch.float32:
-        _apply_fp8(model, t)
+        _apply_fp8(model, t, ps, log)
         _to_device(model, device, dtype)
         return TrainingRun(recipe, ps, model, build_optimizer(model, recipe), device=device)
 
     if ps.world_size > 1:
         _check_layout(recipe, ps)
         parallelize(model, ps, p)
-    _apply_fp8(model, t)
+    _apply_fp8(model, t, ps, log)
     _to_device(model, device, dtype)  # before the pipeline syncs shared weights over the (NCCL) group
     schedule = stages = None
     trained: nn.Module = model
@@ -184,7 +291,12 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
         trained = nn.ModuleList(stages)
     # parallel.distributed_optimizer: ZeRO-1 (reduce-scatter, sharded state, all-gather) or a full
     # AdamW replica per rank over all-reduced gradients; the trainer drives both the same way.
-    ddp = DataParallel(trained, ps, use_distributed_optimizer=p.distributed_optimizer, grad_dtype=torch.float32)
+    ddp = DataParallel(trained, ps, use_distributed_optimizer=p.distributed_optimizer, grad_dtype=torch.float32,
+                       bucket_size=p.bucket_size, overlap_grad_reduce=p.overlap_grad_reduce,
+                       overlap_param_gather=p.overlap_param_gather)
     kind = DistributedOptimizer if p.distributed_optimizer else ReplicatedAdamW
-    optimizer = kind(ddp, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, max_grad_norm=t.grad_clip)
+    extra = ({"overlap_param_gather_with_optimizer_step": p.overlap_param_gather_with_optimizer_step}
+             if p.distributed_optimizer else {})
+    optimizer = kind(ddp, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, max_grad_norm=t.grad_clip,
+                     **extra)
     return TrainingRun(recipe, ps, model, optimizer, ddp, schedule, stages, device=device)

@@ -14,7 +14,9 @@ the step and the phase.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import os
 import time
 from datetime import timedelta
 from typing import Callable
@@ -23,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from moetron.bridge.convert import load_hf_weights, moetron_to_hf
-from moetron.data.packed import PackedBatches
 from moetron.parallel.context_parallel import split_batch
 from moetron.pipeline.runtime import run_schedule
 from moetron.model.size import model_size, training_flops_per_token
@@ -31,9 +32,17 @@ from moetron.moe import balancing
 from moetron.parallel.state import collective_failures, init_process_group_from_env
 from moetron.config import Recipe
 from moetron.checkpoint.training import latest_checkpoint, load_checkpoint, save_checkpoint
+from moetron.checkpoint.save_dir import prepare_metrics_file, resume_point
+from moetron.checkpoint.verify import read_meta
 from moetron.data.builtin import TokenBatches, stdlib_corpus
-from moetron.train.metrics import MetricsLogger
-from moetron.train.setup import TrainingRun, build_optimizer, build_run, check_run_inputs, resolve_device
+from moetron.moe.layer import load_summary
+from moetron.train.evaluation import Sampler, build_data, check_supported, validation_loss
+from moetron.train.metrics import MetricsLogger, describe_run
+from moetron.train.model_source import check_model_matches, checkpoint_source
+from moetron.train.preflight import check_layout, check_memory
+from moetron.train.stopping import StopSignal, prune_checkpoints, resume_command
+from moetron.train.setup import (TrainingRun, build_optimizer, build_run, check_run_inputs, microbatches_at,
+                                 resolve_batch_size, resolve_device)
 
 __all__ = ["train", "build_optimizer"]
 
@@ -42,53 +51,107 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
     """Run `recipe` and return the per-step metrics (also written to `train.metrics_file`)."""
     t = recipe.train
     check_run_inputs(recipe)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    recipe = resolve_batch_size(recipe, world)  # train.global_batch_size -> train.grad_accum
+    t = recipe.train
+    check_layout(recipe, world)  # before any process group or model: the same error on every rank
+    check_supported(recipe)
+    memory = check_memory(recipe, world)
+    source = checkpoint_source(recipe)  # the checkpoint's config is the model
+    if source is not None:
+        check_model_matches(recipe, source)
     run, hint = _start(recipe, log)
     say = log if run.is_main else (lambda s: None)
     dp = run.data_rank[1]
-    if t.data == "builtin":
-        data = TokenBatches(stdlib_corpus(), t.seq_len, t.micro_batch_size, t.seed)
-    else:
-        data = PackedBatches(t.data, t.seq_len, t.micro_batch_size, t.seed, micro_batches_per_step=t.grad_accum * dp,
-                             mask_boundary_labels=t.data_mask_boundary, model_vocab_size=recipe.model.vocab_size)
+    data, held = build_data(recipe, stdlib_corpus, dp)
+    if t.data != "builtin":
         say(data.describe())
     size = model_size(recipe.model)
     flops_per_token = training_flops_per_token(recipe.model, t.seq_len)
-    say(f"recipe {recipe.name}: {size.total / 1e6:.2f}M parameters ({size.active / 1e6:.2f}M active), "
-        f"{t.steps} steps of {dp}x{t.grad_accum}x{t.micro_batch_size}x{t.seq_len} tokens "
-        f"on {run.ps.world_size} process(es)")
-    start = 0
-    if t.resume and latest_checkpoint(t.save_dir) is not None:
-        folder = latest_checkpoint(t.save_dir)
-        start = load_checkpoint(folder, run.model, run.optimizer, parallel_state=run.ps, modules=run.stages)
+    for line in describe_run(recipe, world_size=run.ps.world_size, dp=dp, total_params=size.total,
+                             active_params=size.active, device=run.device.type, memory=memory):
+        say(line)
+    start, state = 0, {}
+    batch = {"global_batch_size": dp * t.grad_accum * t.micro_batch_size,
+             "batch": f"dp {dp} x grad_accum {t.grad_accum} x micro_batch_size {t.micro_batch_size}"}
+    folder = resume_point(t.save_dir, resume=t.resume or t.resume_from is not None, overwrite=t.overwrite,
+                          resume_from=t.resume_from, log=say)
+    if folder is not None:
+        start = load_checkpoint(folder, run.model, run.optimizer, parallel_state=run.ps, modules=run.stages,
+                                verify=False)  # resume_point verified every file just now
+        state = read_meta(folder).get("train_state") or {}
         say(f"resumed from {folder} after step {start}")
+        if state.get("global_batch_size", batch["global_batch_size"]) != batch["global_batch_size"]:
+            say(f"warning: the global batch changes from {state['global_batch_size']} sequences ({state['batch']}) "
+                f"in {folder} to {batch['global_batch_size']} ({batch['batch']}); set train.grad_accum or "
+                "train.micro_batch_size to keep it")
     elif t.init_hf:
         load_hf_weights(t.init_hf, run.model, run.optimizer, parallel_state=run.ps, modules=run.stages)
         say(f"initialised from the Hugging Face checkpoint {t.init_hf}")
+    if run.is_main:
+        prepare_metrics_file(t.metrics_file, start, t.overwrite)
     logger = MetricsLogger(t.steps, start_step=start, log_every=t.log_every, metrics_file=t.metrics_file,
-                           tensorboard_dir=t.tensorboard_dir, log=log, enabled=run.is_main)
+                           tensorboard_dir=t.tensorboard_dir, log=log, enabled=run.is_main,
+                           wandb_project=t.wandb_project, wandb_config=dataclasses.asdict(recipe),
+                           collapse_threshold=t.collapse_threshold)
+    sampler = Sampler(t.data) if t.sample_every else None
+    extra_meta = source.extra_meta() if source is not None else {}
+    stop = StopSignal().__enter__()  # Ctrl-C / SIGTERM: stop after the step, saving first
     history = []
-    skipped = 0
+    skipped, in_a_row = state.get("skipped_steps", 0), state.get("skipped_in_a_row", 0)
     try:
         run.model.train()
         for step in range(start, t.steps):
             guard = _guard(run, hint, step)
             metrics = _train_step(run, data, step, flops_per_token, guard)
             if metrics["skipped"]:
-                skipped += 1
+                skipped, in_a_row = skipped + 1, in_a_row + 1
                 logger.write(f"warning: step {step + 1}/{t.steps} skipped (train.on_nonfinite=skip): "
                              f"{metrics['nonfinite']}; no update")
+            else:
+                in_a_row = 0
             metrics["skipped_steps"] = skipped
             history.append(metrics)
             logger.log_step(metrics)
+            if in_a_row > t.max_skipped_steps:
+                raise FloatingPointError(
+                    f"step {step + 1}/{t.steps}: {in_a_row} steps in a row were skipped (train.on_nonfinite=skip, "
+                    f"train.max_skipped_steps={t.max_skipped_steps}; {skipped} in all): the run has diverged. "
+                    "Resume an earlier checkpoint with a lower train.lr (train.resume_from=step-N), or raise "
+                    "train.max_skipped_steps")
             done = step + 1
-            if t.save_dir and ((t.save_every and done % t.save_every == 0) or done == t.steps):
+            if held is not None and (done % t.eval_every == 0 or done == t.steps):
+                with guard("in the validation forward"):
+                    metrics["val_loss"] = validation_loss(run, held)
+                logger.log_eval(step, metrics["val_loss"])
+            if sampler is not None and (done % t.sample_every == 0 or done == t.steps):
+                logger.write(f"sample {done}/{t.steps}: {sampler(run)!r}")
+            with guard("while agreeing on a stop signal"):
+                stopping = done < t.steps and stop.agreed(run.ps.world.handle, _device(run))
+            if t.save_dir and ((t.save_every and done % t.save_every == 0) or done == t.steps or stopping):
+                if run.ddp is not None:  # parallel.overlap_param_gather: the weights are read here
+                    run.ddp.finish_param_sync()
                 with guard("while saving the checkpoint after the end"):
                     saved = save_checkpoint(t.save_dir, done, run.model, run.optimizer, recipe,
-                                            parallel_state=run.ps, modules=run.stages)
+                                            parallel_state=run.ps, modules=run.stages,
+                                            extra_meta={"train_state": {"skipped_steps": skipped,
+                                                                        "skipped_in_a_row": in_a_row, **batch},
+                                                        **extra_meta})
                 logger.write(f"saved {saved}")
+                if t.keep_last and run.is_main:
+                    for old in prune_checkpoints(t.save_dir, t.keep_last):
+                        logger.write(f"removed {old} (train.keep_last={t.keep_last})")
+            if stopping:
+                logger.write(f"stopped by {stop.requested or 'a signal to another rank'} after step {done}/{t.steps}; "
+                             + (f"resume with: {resume_command(t.save_dir)}" if t.save_dir else
+                                "nothing was saved (train.save_dir is not set)"))
+                break
     finally:
+        stop.__exit__(None, None, None)
         logger.close()
-    if t.export_hf:
+    if run.ddp is not None:
+        run.ddp.finish_param_sync()  # the caller may read the weights
+    if t.export_hf and not (history and history[-1]["step"] + 1 < t.steps):  # not after a stop signal
         _export_hf(run, t, say)
     return history
 
@@ -118,14 +181,19 @@ def _guard(run: TrainingRun, hint: str, step: int):
     """`guard(where)`: a context in which a failed collective raises an error naming `where`,
     the step and this rank (`moetron.parallel.state.collective_failures`)."""
     steps = run.recipe.train.steps
-    return lambda where: collective_failures(f"{where} of step {step + 1}/{steps}", rank=run.ps.rank, hint=hint)
+    # One process has no collective to wait for: no wait-logging timer thread (4 a step, ~2 ms each).
+    wait = run.recipe.train.collective_wait_log_s if run.ps.world_size > 1 else None
+    return lambda where: collective_failures(f"{where} of step {step + 1}/{steps}", rank=run.ps.rank, hint=hint,
+                                             wait_log_s=wait)
 
 
 def _export_hf(run: TrainingRun, t, say) -> None:
     """Write the final checkpoint as a Hugging Face folder (rank 0, after every rank has saved)."""
     if run.is_main:
-        moetron_to_hf(latest_checkpoint(t.save_dir), t.export_hf, overwrite=True, progress=False)
-        say(f"exported {t.export_hf}")
+        summary = moetron_to_hf(latest_checkpoint(t.save_dir), t.export_hf, overwrite=True, progress=False)
+        changes = summary.get("config_changes")
+        say(f"exported {t.export_hf}" + (f"; its config.json differs from the source's in: {'; '.join(changes)}"
+                                          if changes else ""))
     if dist.is_initialized():
         dist.barrier()
 
@@ -134,16 +202,17 @@ def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[
     """Every micro-batch of this rank for `step`; returns mean losses and the token count."""
     t = run.recipe.train
     rank, dp = run.data_rank
+    count = microbatches_at(t, dp, step)  # train.grad_accum, or fewer during train.batch_size_rampup
     batches = [tuple(x.to(run.device, non_blocking=True) for x in data.batch(step, m * dp + rank))
-               for m in range(t.grad_accum)]
+               for m in range(count)]
     if run.schedule is not None:
         tokens = sum(int((y != -100).sum()) for _, y in batches)  # the whole sequences' labels
         if run.ps.cp.size > 1:  # this rank's chunks; the stages' losses are CP-reduced (as the model's)
             batches = [split_batch(run.ps.cp, x, labels=y) for x, y in batches]
-        with run.ddp.no_sync():
-            result = run_schedule(run.schedule, run.stages, batches, group=run.ps.pp,
-                                  fb_overlap=run.recipe.parallel.fb_overlap,
-                                  aux_loss_scale=balancing.aux_loss_scale())  # the step's, set by _train_step
+        # Each chunk's buckets launch during its last backward (parallel.overlap_grad_reduce).
+        result = run_schedule(run.schedule, run.stages, batches, group=run.ps.pp,
+                              fb_overlap=run.recipe.parallel.fb_overlap, data_parallel=run.ddp,
+                              aux_loss_scale=balancing.aux_loss_scale())  # the step's, set by _train_step
         sums = {"loss": float(result.loss), "lm_loss": float(result.lm_loss)}
         if result.mtp_loss is not None:
             sums["mtp_loss"] = float(result.mtp_loss)
@@ -159,12 +228,12 @@ def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[
                 out = run.model(**split_batch(run.ps.cp, inputs, labels=labels))
             else:
                 out = run.model(inputs, labels=labels)
-            (out.total_loss / t.grad_accum).backward()
+            (out.total_loss / count).backward()
         tokens += out.num_tokens
         parts = {"loss": out.total_loss, "lm_loss": out.loss, "mtp_loss": out.mtp_loss, **out.aux_losses}
         for name, value in parts.items():
             if value is not None:
-                sums[name] = sums.get(name, 0.0) + float(value.detach()) / t.grad_accum
+                sums[name] = sums.get(name, 0.0) + float(value.detach()) / count
     return sums, tokens
 
 
@@ -200,7 +269,8 @@ def _optimizer_step(run: TrainingRun) -> float:
     """Clip and update; returns the global gradient norm (no update when it is not finite)."""
     if run.ddp is not None:
         return float(run.optimizer.step())  # moetron's optimizers skip a non-finite norm themselves
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.recipe.train.grad_clip))
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.recipe.train.grad_clip,
+                                                     foreach=True))  # one pass, not one op per tensor
     if math.isfinite(grad_norm):
         run.optimizer.step()
     return grad_norm
@@ -209,12 +279,21 @@ def _optimizer_step(run: TrainingRun) -> float:
 def _load_metrics(run: TrainingRun) -> dict:
     """Per-MoE-layer load of the whole step (every micro-batch, every rank; a world all-reduce),
     and two summaries over the layers: the worst max/mean load and the worst dropped fraction."""
-    stats = run.model.load_stats(run.ps.world, accumulated=True)
+    layers = run.model.moe_layers_by_index()
+    stats, idle = {}, 0
+    if layers:
+        totals = torch.stack([layer.load_totals() for layer in layers.values()])
+        if run.ps.world.size > 1:
+            dist.all_reduce(totals, group=run.ps.world.handle)
+        for i, row in zip(layers, totals.cpu()):  # one device sync for every layer
+            if load_summary(row):  # layers that routed no token are left out
+                stats[i] = load_summary(row)
+                idle += int((row[:-1] == 0).sum())  # experts that got no token: a collapse sign
     num_layers = run.model.config.num_layers
     per_layer = {(f"layer{i}" if i < num_layers else f"mtp{i - num_layers + 1}"): s for i, s in stats.items()}
     return {"max_over_mean_load": max((s["max_over_mean"] for s in stats.values()), default=None),
             "dropped_fraction": max((s["dropped_fraction"] for s in stats.values()), default=None),
-            "moe_load": per_layer}
+            "idle_experts": idle, "moe_load": per_layer}
 
 
 def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token: float, guard) -> dict:
@@ -225,7 +304,7 @@ def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     # Each context-parallel rank routes its share of the tokens: its aux losses count 1/cp.
-    balancing.set_aux_loss_scale(1.0 / (t.grad_accum * run.ps.cp.size))
+    balancing.set_aux_loss_scale(1.0 / (microbatches_at(t, run.data_rank[1], step) * run.ps.cp.size))
     if run.ddp is not None:
         run.ddp.zero_grad()
     run.model.reset_load_stats()
@@ -247,7 +326,7 @@ def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token
     if run.ddp is None:
         run.optimizer.zero_grad(set_to_none=True)
     if problem is not None and t.on_nonfinite == "stop":
-        raise FloatingPointError(f"step {step + 1}/{t.steps} (metrics step {step}), rank {run.ps.rank}: {problem}. "
+        raise FloatingPointError(f"step {step + 1}/{t.steps} (metrics step {step + 1}), rank {run.ps.rank}: {problem}. "
                                  "Stopping every rank (train.on_nonfinite=stop): lower train.lr, check the data, "
                                  "or set train.on_nonfinite=skip to skip such steps")
     with guard("in the metrics and balancing reductions"):

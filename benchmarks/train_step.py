@@ -1,0 +1,159 @@
+"""One optimizer step of the same Qwen3-MoE model: moetron's trainer vs transformers + torch AdamW.
+
+    MALLOC_MMAP_MAX_=0 python benchmarks/train_step.py                  # tiny and mid, 2 threads
+    python benchmarks/train_step.py --sizes tiny --repeats 9 --threads 1
+
+Both sides start from the same weights (moetron's model written with `moetron.bridge.hf.to_hf` and
+loaded by `Qwen3MoeForCausalLM.from_pretrained` with `experts_implementation="grouped_mm"`,
+`output_router_logits=True` and the recipe's `router_aux_loss_coef`, sdpa attention) and take the
+same batch. Before timing, the script checks that the two compute the same LM loss (relative error
+< 1e-5). A step:
+
+- moetron: `moetron.train.trainer._train_step` exactly as `moetron train` runs it (learning-rate
+  schedule, forward+backward with the aux loss injected, clipping, AdamW, expert-load metrics).
+- transformers: `zero_grad(set_to_none=True)`, `model(input_ids, labels, shift_labels=labels).loss`
+  (LM loss + coef * aux loss) `.backward()`, `clip_grad_norm_`, `torch.optim.AdamW.step()` with the
+  same lr, betas and weight decay (torch's default implementation choice).
+
+Sizes: `tiny` is the default recipe (H64, 4 layers, 8 experts top-2, 8x128 tokens); `mid` is H512,
+4 layers, 32 experts top-4 (moe ffn 256), 2x512 tokens. Steps are interleaved round-robin; the table
+gives median and min step times, tokens/s of the medians, and moetron's speed-up (hf / moetron).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import format_table, time_interleaved
+
+SIZES = {
+    "tiny": [],
+    "mid": ["model.hidden_size=512", "model.num_layers=4", "model.num_attention_heads=8", "model.num_kv_heads=4",
+            "model.head_dim=64", "model.intermediate_size=1024", "model.moe_intermediate_size=256",
+            "model.num_experts=32", "model.top_k=4", "train.seq_len=512", "train.micro_batch_size=2"],
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="tiny,mid", help="comma-separated: tiny, mid")
+    p.add_argument("--repeats", type=int, default=9, help="timed steps per candidate (after warm-up)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="extra recipe overrides")
+    p.add_argument("--fused", action="store_true",
+                   help="moetron with its fused C++/Triton kernels: train.permute_impl=auto and the experts' "
+                        "activation_impl=auto (built on first use)")
+    return p.parse_args(argv)
+
+
+class FixedBatches:
+    """The trainer's data interface (`batch(step, index)`), always the same batch."""
+
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor):
+        self.inputs, self.labels = inputs, labels
+
+    def batch(self, step: int, index: int = 0):
+        return self.inputs, self.labels
+
+
+def build_pair(overrides: list[str], folder: Path):
+    from transformers import Qwen3MoeForCausalLM
+
+    from moetron.bridge.hf import to_hf
+    from moetron.data.builtin import TokenBatches, stdlib_corpus
+    from moetron.recipes import apply_overrides, get_recipe
+    from moetron.train.setup import build_run
+
+    recipe = apply_overrides(get_recipe("qwen3-moe-tiny"), overrides)
+    t, m = recipe.train, recipe.model
+    run = build_run(recipe, log=lambda s: None)
+    inputs, labels = (x.contiguous() for x in TokenBatches(stdlib_corpus(), t.seq_len, t.micro_batch_size,
+                                                          t.seed).batch(0))
+    to_hf(run.model, folder)
+    hf = Qwen3MoeForCausalLM.from_pretrained(folder, experts_implementation="grouped_mm", attn_implementation="sdpa",
+                                             output_router_logits=True, router_aux_loss_coef=m.aux_loss_coeff,
+                                             dtype=torch.float32).train()
+    assert hf.config._experts_implementation == "grouped_mm", hf.config._experts_implementation
+    opt = torch.optim.AdamW(hf.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    return recipe, run, hf, opt, inputs, labels
+
+
+def check_same_loss(run, hf, inputs, labels) -> float:
+    with torch.no_grad():
+        ours = float(run.model(inputs, labels=labels).loss)
+        out = hf(input_ids=inputs, labels=labels, shift_labels=labels)
+        theirs = float(out.loss - hf.config.router_aux_loss_coef * out.aux_loss)
+    err = abs(ours - theirs) / abs(theirs)
+    if not err < 1e-5:
+        raise AssertionError(f"moetron LM loss {ours} and transformers' {theirs} differ (relative {err:.2e})")
+    return err
+
+
+def moetron_step(run, data, recipe):
+    from moetron.model.size import training_flops_per_token
+    from moetron.train import trainer
+
+    flops = training_flops_per_token(recipe.model, recipe.train.seq_len)
+    state = {"step": 0}
+
+    def step():
+        trainer._train_step(run, data, state["step"], flops, trainer._guard(run, "", state["step"]))
+        state["step"] += 1
+    return step
+
+
+def hf_step(hf, opt, inputs, labels, clip):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        hf(input_ids=inputs, labels=labels, shift_labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), clip)
+        opt.step()
+    return step
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    print(f"one training step, fp32 CPU, threads {torch.get_num_threads()}, torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, python {platform.python_version()}, "
+          f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_', 'unset')}, load before {os.getloadavg()[0]:.2f}, "
+          f"moetron kernels: {'fused (--fused)' if args.fused else 'defaults'}")
+    rows = []
+    for size in args.sizes.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            fused = ["train.permute_impl=auto"] if args.fused else []
+            recipe, run, hf, opt, inputs, labels = build_pair(SIZES[size] + fused + args.set, Path(tmp) / "hf")
+        for layer in run.model.moe_layers() if args.fused else ():
+            layer.experts.activation_impl = "auto"
+        err = check_same_loss(run, hf, inputs, labels)
+        tokens = inputs.numel()
+        times = time_interleaved({"moetron": moetron_step(run, FixedBatches(inputs, labels), recipe),
+                                  "transformers": hf_step(hf, opt, inputs, labels, recipe.train.grad_clip)},
+                                 warmup=args.warmup, repeats=args.repeats)
+        ours, theirs = times["moetron"], times["transformers"]
+        m = recipe.model
+        label = (f"{size} (H{m.hidden_size} L{m.num_layers} E{m.num_experts} k{m.top_k}, "
+                 f"{inputs.shape[0]}x{inputs.shape[1]} tokens)")
+        rows.append([label,
+                     f"{ours.median * 1e3:.1f}", f"{ours.min * 1e3:.1f}", f"{tokens / ours.median:.0f}",
+                     f"{theirs.median * 1e3:.1f}", f"{theirs.min * 1e3:.1f}", f"{tokens / theirs.median:.0f}",
+                     f"{theirs.median / ours.median:.2f}x", f"{err:.1e}"])
+    print(format_table(["size", "moetron ms", "min", "tok/s", "hf ms", "min", "tok/s", "speed-up", "loss err"],
+                       rows))
+    print(f"(medians of {args.repeats} steps after {args.warmup} warm-up, interleaved; speed-up = hf median / "
+          f"moetron median; load after {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)")
+
+
+if __name__ == "__main__":
+    main()

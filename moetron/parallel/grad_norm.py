@@ -1,0 +1,39 @@
+"""The global gradient norm's pieces: which copies count, fp32 sums of squares, their all-reduce.
+
+Shared by DataParallel.clip_grad_norm_ (replicated gradients) and the distributed optimizer
+(sharded ones), so both count a parameter held on several ranks exactly once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moetron.parallel.state import Group, ParallelState
+
+
+def counts_in_norm(param: nn.Parameter, ps: ParallelState, expert: bool = False) -> bool:
+    """Whether this rank's copy of `param` counts in the global gradient norm.
+
+    Once over pipeline ranks when several hold it (`pipeline_duplicate` marks the other copies:
+    the shared embedding, and every stage under DualPipe - experts included). Then an expert
+    parameter counts everywhere (each EP/ETP rank holds its own slice); a dense one on one TP
+    rank unless it is TP-sharded.
+    """
+    if getattr(param, "pipeline_duplicate", False):
+        return False
+    return expert or bool(getattr(param, "tensor_model_parallel", False)) or ps.tp.rank == 0
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """fp32 sum of squares of every element of `tensors` (0 for none)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
+    return torch.stack(norms).pow(2).sum()
+
+
+def all_reduce_sum(t: torch.Tensor, group: Group) -> None:
+    if group.size > 1:
+        dist.all_reduce(t, group=group.handle)

@@ -1,0 +1,112 @@
+"""`moetron plan`: pick the parallel layout for a model on a cluster (docs/planning.md).
+
+    moetron plan --recipe deepseek-v3-671b --gpus 2048 --gpu h800
+    moetron plan --recipe qwen3-moe-30b-a3b --gpus 16 --gpu h100 --explain "pp=2 ep=8 schedule=interleaved vpp=2"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from moetron.bridge.hf_config import config_from_hf
+from moetron.plan.candidate import Candidate
+from moetron.plan.gpus import GPUS, get_gpu
+from moetron.plan.report import explain, header, table, to_json
+from moetron.plan.search import Planner, PlanInputs, Pruned
+from moetron.recipes import get_recipe
+from moetron.recipes.toml_io import load_recipe
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="rank parallel layouts for a model on a cluster (memory and throughput)",
+                              description="Enumerate tp/cp/ep/etp/pp/vpp/schedule/micro-batch/recompute layouts, "
+                                          "prune the invalid ones, print the best with per-GPU memory and step "
+                                          "time broken down (docs/planning.md).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--recipe", help="a shipped recipe name (`moetron recipes`)")
+    src.add_argument("--config", metavar="FILE.toml", help="a recipe file")
+    src.add_argument("--hf", metavar="config.json", help="a Hugging Face config.json (or its folder)")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU preset (moetron/plan/gpus.py)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per NVLink domain (default: the preset's)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the recipe's, else 4096)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step (default: the recipe's micro_batch_size x grad_accum x its dp)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="parameter / activation dtype")
+    p.add_argument("--fp8", choices=["tensorwise", "delayed", "blockwise"], default=None, help="FP8 GEMM recipe")
+    p.add_argument("--top", type=int, default=10, help="how many layouts to print")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--explain", metavar="LAYOUT", default=None,
+                   help='evaluate one layout, e.g. "tp=2 pp=8 vpp=4 ep=64 recompute=mla_up_proj,moe_act"')
+    p.set_defaults(func=run)
+
+
+def _model(args):
+    """(name, ModelConfig, seq_len, default global batch) from --recipe / --config / --hf."""
+    if args.hf:
+        path = Path(args.hf)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            cfg = config_from_hf(json.loads(path.read_text()), source=str(path))
+        except OSError as exc:
+            raise ValueError(f"--hf {args.hf}: cannot read it ({exc})") from None
+        return path.parent.name or str(path), cfg, 4096, None
+    recipe = load_recipe(args.config) if args.config else get_recipe(args.recipe)
+    t, p = recipe.train, recipe.parallel
+    return recipe.name, recipe.model, t.seq_len, (t.micro_batch_size, t.grad_accum, p.tp * p.cp * p.pp)
+
+
+def inputs_from_args(args) -> tuple[str, PlanInputs]:
+    name, cfg, seq, batch = _model(args)
+    if args.gpus < 1:
+        raise ValueError(f"--gpus {args.gpus} must be >= 1")
+    gpu = get_gpu(args.gpu)
+    seq = args.seq_len or seq
+    if args.global_batch:
+        global_batch = args.global_batch
+    elif batch:
+        mbs, accum, model_parallel = batch
+        global_batch = mbs * accum * max(1, args.gpus // model_parallel)
+    else:
+        global_batch = 8 * args.gpus
+    return name, PlanInputs(cfg, args.gpus, gpu, args.gpus_per_node or min(gpu.nvlink_domain, args.gpus), seq,
+                            global_batch, args.dtype, args.fp8, "cpu" if gpu.name == "cpu" else "cuda",
+                            reserve_gib=0.5 if gpu.name == "cpu" else 4.0)
+
+
+def run(args) -> int:
+    name, inputs = inputs_from_args(args)
+    planner = Planner(inputs)
+    if args.explain:
+        cand = Candidate.parse(args.explain)
+        try:
+            ev = planner.evaluate(cand, simulated=True, check_memory=False)
+        except Pruned as exc:
+            raise ValueError(f"--explain {args.explain!r}: this layout cannot run: {exc}") from None
+        print(to_json(inputs, name, [ev], {}) if args.json else header(inputs, name) + "\n" +
+              explain(ev, planner.capacity))
+        return 0
+    evals = planner.search(args.top)
+    pruned = dict(planner.pruned.most_common())
+    if args.json:
+        print(to_json(inputs, name, evals, pruned))
+        return 0
+    print(header(inputs, name))
+    if not evals:
+        print("no layout fits; pruned: " + "; ".join(f"{n} x {r}" for r, n in planner.pruned.most_common(5)))
+        return 1
+    print(table(evals))
+    print(f"\npruned {sum(pruned.values())} candidates; the commonest reasons:")
+    for reason, n in planner.pruned.most_common(5):
+        print(f"  {n:>6} x {reason}")
+    print("\nthe best, in full:\n" + explain(evals[0], planner.capacity))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:  # `python -m moetron.plan.cli`
+    parser = argparse.ArgumentParser(prog="moetron")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,96 @@
+"""FP8 modules on Transformer Engine: `te.Linear` / `te.GroupedLinear` sharing moetron's parameters,
+each call in its own `te.autocast` whose amaxes reduce over the module's `fp8_amax_group` (the
+stage's data/context-parallel ranks, never WORLD: pipeline stages run different modules).
+
+TE's FP8 GEMM shape rule (rows % 8, in_features % 16, out_features % 8): rows are zero-padded
+(numerically neutral: zeros change no amax), features are checked when the module is converted.
+Design notes: docs/fp8.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moetron.ops import swiglu
+from moetron.precision.fp8 import FP8Recipe
+
+TE_ROWS, TE_IN, TE_OUT = 8, 16, 8
+
+
+def te_shape_problem(in_features: int, out_features: int) -> str | None:
+    """Why TE cannot run an FP8 GEMM with this weight (None: it can)."""
+    if in_features % TE_IN or out_features % TE_OUT:
+        return (f"Transformer Engine's FP8 GEMMs need in_features % {TE_IN} == 0 and out_features % {TE_OUT} == 0; "
+                f"this weight is [{out_features}, {in_features}]")
+    return None
+
+
+def te_recipe(recipe: FP8Recipe):
+    """The Transformer Engine recipe object for `recipe`."""
+    from transformer_engine.common import recipe as te_r
+
+    fmt = te_r.Format.HYBRID if recipe.fp8_format == "hybrid" else te_r.Format.E4M3
+    if recipe.scaling == "delayed":
+        return te_r.DelayedScaling(margin=recipe.margin, fp8_format=fmt, amax_history_len=recipe.amax_history_len,
+                                   amax_compute_algo=recipe.amax_compute_algo)
+    if recipe.scaling == "tensorwise":
+        return te_r.Float8CurrentScaling(fp8_format=fmt)
+    if recipe.scaling == "mxfp8":
+        return te_r.MXFP8BlockScaling(fp8_format=fmt)
+    return te_r.Float8BlockScaling(fp8_format=fmt)
+
+
+def te_autocast(recipe: FP8Recipe, group):
+    """One TE autocast region; amaxes reduce over `group` (a ProcessGroup; None in one process)."""
+    import transformer_engine.pytorch as te
+
+    if hasattr(te, "autocast"):  # TE >= 2.8
+        return te.autocast(enabled=True, recipe=te_recipe(recipe), amax_reduction_group=group)
+    return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe(recipe), fp8_group=group)
+
+
+def te_linear_forward(module, x: torch.Tensor) -> torch.Tensor:
+    import transformer_engine.pytorch as te
+
+    if module._te_module is None:
+        tl = te.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                       params_dtype=module.weight.dtype, device=module.weight.device)
+        object.__setattr__(module, "_te_module", tl)
+    tl = module._te_module
+    tl.train(module.training)
+    tl._parameters["weight"] = module.weight  # share our parameters (same objects, our names)
+    if module.bias is not None:
+        tl._parameters["bias"] = module.bias
+    x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    pad = -rows % TE_ROWS
+    with te_autocast(module.fp8_recipe, module.fp8_amax_group):
+        y = tl(F.pad(x2, (0, 0, 0, pad)) if pad else x2)
+    return (y[:rows] if pad else y).view(*x.shape[:-1], module.out_features)
+
+
+def te_experts_forward(module, x_NH: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
+    """gate_up -> SwiGLU -> down on two `te.GroupedLinear`s (rows per expert padded by the dispatcher)."""
+    import transformer_engine.pytorch as te
+
+    E, F_, H = module.num_local_experts, module.local_ffn_size, module.gate_up_proj.shape[-1]
+    if module._te_module is None:
+        kw = dict(bias=False, params_dtype=module.gate_up_proj.dtype, device=module.gate_up_proj.device)
+        object.__setattr__(module, "_te_module", (te.GroupedLinear(E, H, 2 * F_, **kw), te.GroupedLinear(E, F_, H, **kw)))
+    splits = rows_per_expert.tolist()
+    outs = x_NH
+    with te_autocast(module.fp8_recipe, module.fp8_amax_group):
+        for tg, weight, act in zip(module._te_module, (module.gate_up_proj, module.down_proj), (True, False)):
+            tg.train(module.training)
+            for e in range(E):  # our [E,O,I] parameter's slices stand in for TE's weight{e}
+                tg._parameters.pop(f"weight{e}", None)
+                object.__setattr__(tg, f"weight{e}", weight[e])
+            outs = tg(outs, splits)
+            if act:
+                gate, up = outs.split(F_, dim=-1)
+                outs = swiglu(gate, up)
+    return outs
+
+
+__all__ = ["te_autocast", "te_experts_forward", "te_linear_forward", "te_recipe", "te_shape_problem"]

@@ -1,0 +1,3 @@
+"""transformer_engine.common (fake): the recipe module only."""
+
+from transformer_engine.common import recipe  # noqa: F401
