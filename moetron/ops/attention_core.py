@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from moetron import backends
 
@@ -98,4 +97,7 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         return _eager(q, k, v, scale)
     if Sq == Sk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Sq, Sk), scale=scale)
+    # Bottom-right causal mask as a boolean tensor (torch.nn.attention.bias would import torch._dynamo:
+    # over a second of start-up for every run).
+    keep = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(Sk - Sq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
