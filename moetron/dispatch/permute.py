@@ -6,9 +6,7 @@ Design notes: docs/dispatch.md (`moetron/dispatch/permute.py`).
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import warnings
 from typing import Callable
 
@@ -18,7 +16,7 @@ from torch.autograd.function import once_differentiable
 from moetron.dispatch import permute_reference as ref
 from moetron.dispatch.permute_reference import (PermuteState, check_permute_args, permute_reference, routing_plan,
                                                 unpermute_reference)
-from moetron.kernels import cpp_build
+from moetron.kernels import availability, cpp_build
 
 IMPLS = ("auto", "torch", "cpp", "triton")
 
@@ -50,29 +48,14 @@ def permute_impl() -> tuple[str, bool]:
 # ---- availability ----
 
 def _triton_installed() -> bool:
-    return "triton" in sys.modules or importlib.util.find_spec("triton") is not None
+    return availability.triton_installed()
 
 
 def _triton_status(device: torch.device) -> tuple[bool, str]:
-    if not _triton_installed():
-        return False, "python package 'triton' is not installed (pip install triton)"
-    if device.type == "cuda":
-        return True, "Triton GPU kernel"
-    if device.type == "cpu":
-        module = sys.modules.get("moetron.kernels.triton_permute")  # interpret or not was fixed at its import
-        if module.INTERPRET if module is not None else os.environ.get("TRITON_INTERPRET") == "1":
-            return True, "Triton kernel under the interpreter (TRITON_INTERPRET=1)"
-        return False, ("Triton runs CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before "
-                       "moetron.kernels.triton_permute is imported")
-    return False, f"Triton does not run {device.type} tensors"
+    return availability.triton_status(device, "moetron.kernels.triton_permute", _triton_installed())
 
 
-def _cpp_status(device: torch.device, build: bool) -> tuple[bool, str]:
-    if device.type != "cpu":
-        return False, f"the C++ kernel runs CPU tensors only, got a {device.type} tensor"
-
-
-    return cpp_build.cpp_status(build=build)
+_cpp_status = availability.cpp_status
 
 
 def impl_status(device: torch.device | str = "cpu", build: bool = False) -> list[tuple[str, bool, str]]:

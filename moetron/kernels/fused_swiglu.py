@@ -18,16 +18,13 @@ sums in another order): the bounds are in tests/test_fused_swiglu.py.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moetron.kernels import cpp_build
+from moetron.kernels import availability, cpp_build
 
 IMPLS = ("auto", "torch", "cpp", "triton")
 _noticed = False
@@ -43,23 +40,10 @@ def weighted_swiglu_reference(gate_up: torch.Tensor, probs: torch.Tensor | None 
 
 
 def _triton_status(device: torch.device) -> tuple[bool, str]:
-    if "triton" not in sys.modules and importlib.util.find_spec("triton") is None:
-        return False, "python package 'triton' is not installed (pip install triton)"
-    if device.type == "cuda":
-        return True, "Triton GPU kernel"
-    if device.type == "cpu":
-        module = sys.modules.get("moetron.kernels.triton_swiglu")  # interpret or not was fixed at its import
-        if module.INTERPRET if module is not None else os.environ.get("TRITON_INTERPRET") == "1":
-            return True, "Triton kernel under the interpreter (TRITON_INTERPRET=1)"
-        return False, ("Triton runs CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before "
-                       "moetron.kernels.triton_swiglu is imported")
-    return False, f"Triton does not run {device.type} tensors"
+    return availability.triton_status(device, "moetron.kernels.triton_swiglu", availability.triton_installed())
 
 
-def _cpp_status(device: torch.device, build: bool) -> tuple[bool, str]:
-    if device.type != "cpu":
-        return False, f"the C++ kernel runs CPU tensors only, got a {device.type} tensor"
-    return cpp_build.cpp_status(build=build)
+_cpp_status = availability.cpp_status
 
 
 def impl_status(device: torch.device | str = "cpu", build: bool = False) -> list[tuple[str, bool, str]]:
