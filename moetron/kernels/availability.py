@@ -3,6 +3,7 @@ SwiGLU) so `moetron env` and the implementation choice say the same thing."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -34,3 +35,17 @@ def cpp_status(device: torch.device, build: bool) -> tuple[bool, str]:
     if device.type != "cpu":
         return False, f"the C++ kernel runs CPU tensors only, got a {device.type} tensor"
     return cpp_build.cpp_status(build=build)
+
+
+@contextlib.contextmanager
+def interpreted_launch(interpret: bool):
+    """Triton reads TRITON_INTERPRET again while it runs an interpreted kernel: keep it set meanwhile
+    (`interpret`: whether the kernel's module was imported under the interpreter)."""
+    if not interpret or os.environ.get("TRITON_INTERPRET") == "1":
+        yield
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)

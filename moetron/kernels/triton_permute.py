@@ -17,13 +17,13 @@ under the interpreter: set `TRITON_INTERPRET=1` before it is imported.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from moetron.kernels import availability
 from moetron.kernels.numerics import DOT_LANES, acc_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once: triton.jit decides at decoration
@@ -111,17 +111,8 @@ def _unpermute_backward_kernel(g_ptr, y_ptr, slot_ptr, w_ptr, gy_ptr, gw_ptr, H,
         tl.store(gw_ptr + s0, tl.sum(lanes, axis=0), mask=valid)
 
 
-@contextlib.contextmanager
 def _launching():
-    """Triton reads TRITON_INTERPRET again while it runs an interpreted kernel: keep it set meanwhile."""
-    if not INTERPRET or os.environ.get("TRITON_INTERPRET") == "1":
-        yield
-        return
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop("TRITON_INTERPRET", None)
+    return availability.interpreted_launch(INTERPRET)
 
 
 def _check_device(*tensors: torch.Tensor) -> None:

@@ -9,12 +9,13 @@ imported (tests do).
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from moetron.kernels import availability
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once: triton.jit decides at decoration
 _MAX_BLOCK_F = 1024
@@ -74,17 +75,8 @@ def _block(F: int) -> int:
     return max(16, min(_MAX_BLOCK_F, triton.next_power_of_2(max(F, 1))))
 
 
-@contextlib.contextmanager
 def _launching():
-    """Triton reads TRITON_INTERPRET again while it runs an interpreted kernel: keep it set meanwhile."""
-    if not INTERPRET or os.environ.get("TRITON_INTERPRET") == "1":
-        yield
-        return
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        os.environ.pop("TRITON_INTERPRET", None)
+    return availability.interpreted_launch(INTERPRET)
 
 
 def forward(gate_up: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
