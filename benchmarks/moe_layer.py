@@ -6,6 +6,7 @@
     python benchmarks/moe_layer.py --tokens 8192 --experts 64 --topk 8   # other sizes (--hidden, --ffn too)
     python benchmarks/moe_layer.py --skip "hf eager" --repeats 30        # leave out the slow loop, more samples
     python benchmarks/moe_layer.py --permute-impls torch,cpp             # one moetron line per permute impl
+    python benchmarks/moe_layer.py --expert-backends cpp,torch_grouped_mm # one moetron line per expert GEMM
     python benchmarks/moe_layer.py --profile            # also: torch.profiler op tables of moetron and ceiling
 
 Candidates, fp32 on the CPU by default (`torch.set_num_threads(--threads)`, 2 by default; `--device cuda
@@ -31,7 +32,10 @@ transformers' fused `block.experts.gate_up_proj` / `down_proj`, the same layout)
                    dependency: `pip install torchtitan megatron-core` to try).
 
 moetron's SwiGLU kernel is `--swiglu-impl` (default auto: the fused C++ kernel on CPU, Triton on CUDA,
-built on first use); `--swiglu-impl torch` times the reference expression instead.
+built on first use); `--swiglu-impl torch` times the reference expression instead. Its expert GEMMs are
+`MoEConfig.expert_backend` "auto" (on CPU the C++ grouped GEMM, moetron/csrc/grouped_gemm_cpu.cpp: the
+experts split over the threads once per call, one single-threaded BLAS call per piece);
+`--expert-backends cpp,torch_grouped_mm` times one moetron line per backend in the same run.
 
 Every call starts with the gradients set to None (as `zero_grad()` does) and runs forward and
 `backward(dy)`, input gradient included. Before timing, the script checks which experts function
@@ -75,6 +79,8 @@ from _timing import format_table, time_interleaved  # noqa: E402
 
 from moetron import MoEConfig, MoELayer  # noqa: E402
 from moetron.kernels.fused_swiglu import resolve as resolve_swiglu  # noqa: E402
+from moetron.moe.config import EXPERT_BACKENDS  # noqa: E402
+from moetron.moe.grouped_gemm import resolve_backend  # noqa: E402
 
 QUICK = dict(tokens=256, hidden=128, ffn=64, experts=8, topk=2, repeats=3, warmup=1)
 CANDIDATES = ("moetron", "hf eager", "hf grouped_mm", "ceiling", "router only")
@@ -103,6 +109,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--permute-impls", default=None, metavar="A,B",
                    help="time one moetron line per permute implementation (e.g. 'torch,cpp'), when this "
                         "moetron has moetron.dispatch.permute; default: the process default")
+    p.add_argument("--expert-backends", default=None, metavar="A,B",
+                   help="time one moetron line per expert GEMM backend (MoEConfig.expert_backend, e.g. "
+                        "'cpp,torch_grouped_mm'); default: auto only")
     p.add_argument("--swiglu-impl", default="auto", choices=("auto", "torch", "cpp", "triton"),
                    help="moetron's expert activation kernel (moetron/kernels/fused_swiglu.py)")
     p.add_argument("--profile", action="store_true",
@@ -243,6 +252,18 @@ def permute_impl_setter(impl: str, device: str = "cpu"):
     return (lambda: set_permute_impl(impl)), resolved
 
 
+def _backend_setter(layer: MoELayer, backend: str):
+    """A callable that makes `backend` the layer's expert GEMM backend (checked here, not mid-timing)."""
+    if backend not in EXPERT_BACKENDS:
+        raise SystemExit(f"--expert-backends: {backend!r} is unknown; choose from {EXPERT_BACKENDS}")
+    x = torch.zeros(1, layer.config.hidden_size, device=layer.router.weight.device)
+    resolve_backend(backend, x, layer.experts.gate_up_proj)
+
+    def use():
+        layer.experts.backend = backend
+    return use
+
+
 def current_permute_impl() -> str:
     try:
         from moetron.dispatch.permute import permute_impl
@@ -365,11 +386,18 @@ def main(argv=None) -> dict[str, float]:
     print(f"torch {torch.__version__}  transformers {hf_version or '-'}  threads {torch.get_num_threads()}  "
           f"python {platform.python_version()}  MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_', 'unset')}")
     swiglu = resolve_swiglu(args.swiglu_impl, device)
+    gemm = resolve_backend(layer.experts.backend, x.detach().reshape(-1, H), layer.experts.gate_up_proj)
     print(f"repeats {args.repeats} after {args.warmup} warm-up, round-robin; "
-          f"moetron permute impl {current_permute_impl()}, swiglu impl {args.swiglu_impl} -> {swiglu}")
+          f"moetron permute impl {current_permute_impl()}, swiglu impl {args.swiglu_impl} -> {swiglu}, "
+          f"expert backend {layer.experts.backend} -> {gemm}")
 
     variants = {}  # moetron lines: name -> callable run before each call (selects the permute impl)
-    if args.permute_impls:
+    if args.permute_impls and args.expert_backends:
+        raise SystemExit("--permute-impls and --expert-backends: give one of them")
+    if args.expert_backends:
+        for backend in args.expert_backends.split(","):
+            variants[f"moetron ({backend} experts)"] = _backend_setter(layer, backend)
+    elif args.permute_impls:
         for impl in args.permute_impls.split(","):
             before, resolved = permute_impl_setter(impl, args.device)
             label = impl if impl == resolved else f"{impl}={resolved}"

@@ -220,6 +220,7 @@ class TrainConfig:
     export_hf: str | None = None  # after the last step, write the final checkpoint here as a hub folder
     fp8: str | None = None  # FP8 recipe for linear layers and experts: tensorwise, delayed, blockwise, mxfp8
     fp8_backend: str = "auto"  # auto (by capability, logged), emulate, torch (torch._scaled_mm), te (Transformer Engine)
+    fp8_param_gather: bool = False  # Megatron's --fp8-param-gather: ZeRO-1 all-gathers FP8 weights (docs/fp8.md)
     # Megatron's --first-last-layers-bf16 / --num-layers-at-{start,end}-in-bf16: keep that many decoder
     # layers at each end of the model in high precision under train.fp8
     first_last_layers_bf16: bool = False
@@ -290,6 +291,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.fp8={self.fp8!r}: choose tensorwise, delayed, blockwise or mxfp8 (or null)")
         if self.fp8_backend not in ("auto", "emulate", "torch", "te"):
             raise ValueError(f"TrainConfig.fp8_backend={self.fp8_backend!r}: choose auto, emulate, torch or te")
+        if self.fp8_param_gather and self.fp8 not in ("tensorwise", "delayed", "blockwise"):
+            raise ValueError(f"TrainConfig.fp8_param_gather=true needs train.fp8=tensorwise, delayed or blockwise "
+                             f"(got {self.fp8!r}: " + ("without FP8 there are no FP8 weights to gather" if not self.fp8
+                             else "mxfp8 weights need a second, columnwise FP8 copy") + "); or set it false")
         self._check_batch_size()
         if self.permute_impl not in (None, "auto", "torch", "cpp", "triton"):
             raise ValueError(f"TrainConfig.permute_impl={self.permute_impl!r}: choose auto, torch, cpp or triton "

@@ -151,7 +151,10 @@ def run_sharded(ps, case, dispatcher, ref):
         layer.eval()
         x_TH = x.detach().reshape(-1, H)
         routing = layer.route(x_TH)
-        _, rows, _ = layer.dispatch(x_TH, routing)
+        _, rows, handle = layer.dispatch(x_TH, routing)
+        # every dispatcher hands the experts each row's routing weight (applied inside the SwiGLU)
+        probs_N, _ = layer.probs_for_experts(handle)
+        assert probs_N is not None and probs_N.shape == (int(rows.sum()),), what
         if cfg.pad_to_capacity:  # every rank of ETP x EP sends at most `capacity` rows per expert
             assert rows.tolist() == [ps.tp_ep.size * routing.capacity] * len(rows), what
         assert all(n % CASES[case][1] == 0 for n in rows.tolist()), what

@@ -55,7 +55,17 @@ LAYOUTS = {
     "deepseek-mid pp4 1f1b moe": ("deepseek", "fp32", "pp=4 schedule=1f1b recompute=moe,shared_experts", 4),
     "deepseek-mid pp2 dualpipev core_attn": ("deepseek", "bf16",
                                              "pp=2 schedule=dualpipev recompute=core_attn,mlp mbs=2", 4),
+    "qwen-mid tp2 pp2 1f1b": ("qwen", "bf16", "tp=2 pp=2 schedule=1f1b", 2),
+    "qwen-mid tp2 ep2 moe_act mbs2": ("qwen", "bf16", "tp=2 ep=2 recompute=moe_act mbs=2", 1),
+    "deepseek-mid tp2 ep2": ("deepseek", "bf16", "tp=2 ep=2", 1),
+    "deepseek-mid tp2 pp2 mla_up_proj mbs2": ("deepseek", "fp32", "tp=2 pp=2 schedule=1f1b "
+                                              "recompute=mla_up_proj,moe_act mbs=2", 2),
+    "qwen-mid ep2 zero2": ("qwen", "bf16", "ep=2 zero_stage=2 mbs=2", 1),
+    "deepseek-mid dp4 zero2": ("deepseek", "bf16", "zero_stage=2 recompute=moe_act", 1),
+    "qwen-mid dp4 zero3": ("qwen", "bf16", "zero_stage=3", 1),
+    "deepseek-tiny dp4 zero3 fp32": ("deepseek-v3-tiny", "fp32", "zero_stage=3 mbs=2", 1),
 }
+ZERO3 = [name for name, (_, _, text, _) in LAYOUTS.items() if "zero_stage=3" in text]
 
 
 def _recipe(model: str, dtype: str, cand: Candidate, microbatches: int) -> Recipe:
@@ -68,7 +78,7 @@ def _recipe(model: str, dtype: str, cand: Candidate, microbatches: int) -> Recip
     cfg = cfg.replace(recompute_modules=list(cand.recompute), recompute_every_n_layers=1 if cand.full_recompute else 0)
     train = TrainConfig(seq_len=SEQ, micro_batch_size=cand.mbs, grad_accum=microbatches, dtype=dtype, device="cpu")
     parallel = ParallelConfig(tp=cand.tp, ep=cand.ep, etp=cand.etp, pp=cand.pp, vpp=cand.vpp, sp=cand.tp > 1,
-                              schedule=cand.schedule)
+                              schedule=cand.schedule, zero_stage=cand.zero_stage)
     return Recipe(name=model, description="", model=cfg, train=train, parallel=parallel)
 
 
@@ -83,13 +93,25 @@ def _worker(rank: int, world: int):
     for name, (model, dtype, text, m) in LAYOUTS.items():
         cand = Candidate.parse(text)
         run = build_run(_recipe(model, dtype, cand, m), log=lambda *a: None)
-        params = sum(b.param_data.numel() * b.param_data.element_size() for b in run.ddp.buffers
-                     if b.param_data is not None)
-        grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in run.ddp.buffers)
-        optim = sum(4 * (s.master.numel() + s.exp_avg.numel() + s.exp_avg_sq.numel()) for s in run.optimizer.shards)
         torch.manual_seed(100 + run.ps.dp.rank)
         ids = torch.randint(0, run.model.config.vocab_size, (cand.mbs, SEQ))
         batch = MicroBatch(ids, torch.randint(0, run.model.config.vocab_size, (cand.mbs, SEQ)))
+        if cand.zero_stage == 3:  # FSDP2: the DTensor shards, the gradients after a backward, AdamW's moments
+            run.model(batch.input_ids, labels=batch.labels).total_loss.backward()
+            run.optimizer.step()
+            local = [p.to_local() for _, p in run.ddp.named_parameters()]
+            params = sum(t.numel() * t.element_size() for t in local)
+            grads = run.ddp.grad_bytes
+            optim = sum(v.to_local().numel() * v.element_size() for st in run.optimizer.state.values()
+                        for k, v in st.items() if k in ("exp_avg", "exp_avg_sq"))
+            out[name] = dict(params=params, grads=grads, optimizer=optim, pp_rank=0, acts=[])
+            continue
+        params = sum(b.param_data.numel() * b.param_data.element_size() for b in run.ddp.buffers
+                     if b.param_data is not None)
+        # ZeRO-2 keeps only this rank's gradient shard across micro-batches (parallel/zero.py `grad_bytes`)
+        grads = run.ddp.grad_bytes if cand.zero_stage == 2 else \
+            sum(b.grad_data.numel() * b.grad_data.element_size() for b in run.ddp.buffers)
+        optim = sum(4 * (s.master.numel() + s.exp_avg.numel() + s.exp_avg_sq.numel()) for s in run.optimizer.shards)
         acts = []
         chunks = run.stages if run.stages is not None else [None]
         for chunk in chunks:
@@ -131,29 +153,58 @@ def test_state_bytes_equal_what_the_trainer_allocates(measured):
         for rank, got in enumerate(results):
             r = got[name]
             want = rank_state(planner.i.config, cand, stages[r["pp_rank"]], WORLD, dtype)
-            assert (r["params"], r["grads"], r["optimizer"]) == (want.params, want.grads, want.optimizer), \
-                (name, rank, r, want)
+            got_bytes, want_bytes = (r["params"], r["grads"], r["optimizer"]), (want.params, want.grads, want.optimizer)
+            if name in ZERO3 and rank > 0:  # torch.chunk shards: rank 0 is the fullest, the planner's figure
+                assert all(0 < g <= w for g, w in zip(got_bytes, want_bytes)), (name, rank, r, want)
+            else:
+                assert got_bytes == want_bytes, (name, rank, r, want)
             assert r["params"] > 0 and r["optimizer"] > 0
 
 
+def test_zero_stages_shard_what_they_promise(measured):
+    """The planner's ZeRO-2 / ZeRO-3 bytes equal the trainer's (above); here they also shrink the way the
+    stage says against ZeRO-1 of the same layout (an independent check of the prediction's direction)."""
+    results, _ = measured
+    planner = _planner("qwen", "bf16")
+    one, two, three = (rank_state(planner.i.config, Candidate.parse(f"zero_stage={z}"), [], WORLD, "bf16")
+                       for z in (1, 2, 3))
+    assert two.params == one.params and two.optimizer == one.optimizer and WORLD * two.grads == one.grads
+    assert three.params == three.grads and three.optimizer == 2 * three.params  # fp32 shards, two fp32 moments
+    assert three.params <= 0.55 * one.params  # a quarter of the elements in fp32 vs all of them in bf16
+    assert results[0]["qwen-mid dp4 zero3"]["grads"] == three.grads
+
+
 def test_activation_bytes_match_the_meter_within_5_percent(measured):
+    """Per rank within 5 %; under ep > 1 the rows a rank receives follow the (unbalanced) routing of an
+    untrained router while the planner assumes balance, so there the mean over the ranks running the same
+    stage is within 5 % (the rows are conserved) and each rank within 12 %."""
     results, _ = measured
     checked, bad, ratios = 0, [], []
     for name, (model, dtype, text, _) in LAYOUTS.items():
+        if name in ZERO3:  # FSDP2's gathered weights, saved by autograd, would read as activations to the meter
+            continue
         planner = _planner(model, dtype)
         cand = Candidate.parse(text)
         stages = {s.index: s for st in planner.layout(cand)[1] for s in st} if cand.pp > 1 else {None: None}
+        by_stage: dict = {}
         for rank, got in enumerate(results):
             for index, nbytes in got[name]["acts"]:
                 want = stage_activation_bytes(planner.i.config, stages[index], cand, SEQ, dtype, "cpu")
                 ratios.append(f"{name} rank {rank} stage {index}: {want / nbytes:.3f} ({nbytes - want:+d} bytes)")
-                tolerance = 0.25 if cand.tp > 1 else 0.05  # the TP split is approximate (docs/planning.md)
+                by_stage.setdefault(index, []).append((nbytes, want))
+                tolerance = 0.12 if cand.ep > 1 else 0.05
                 if abs(nbytes - want) > tolerance * nbytes:
                     bad.append(ratios[-1])
-                checked += cand.tp == 1
+                checked += 1
+                assert want > 0 and nbytes > 0
+        for index, pairs in by_stage.items():
+            got_mean, want_mean = (sum(p[k] for p in pairs) / len(pairs) for k in (0, 1))
+            if abs(got_mean - want_mean) > 0.05 * got_mean:
+                bad.append(f"{name} stage {index}: mean over ranks {want_mean / got_mean:.3f}")
     print("\n".join(ratios))
     assert not bad, bad
-    assert checked >= 20
+    assert checked >= 40
+    assert sum(1 for (_, _, text, _) in LAYOUTS.values() if Candidate.parse(text).tp > 1) >= 4
 
 
 def test_search_prunes_with_reasons_and_ranks_by_throughput():
@@ -199,18 +250,85 @@ def test_explain_parsing_errors_name_the_key():
         Candidate.parse("recompute=attn")
     with pytest.raises(ValueError, match="vpp=2 needs schedule=interleaved"):
         Candidate.parse("pp=2 vpp=2 schedule=zb1p")
+    for text in ("ep=2 fb_overlap=1", "ep=2 pp=2 schedule=zb1p fb_overlap=1"):
+        with pytest.raises(ValueError, match="fb_overlap pairs a forward"):
+            Candidate.parse(text)
+
+
+@pytest.mark.parametrize("schedule,pp,m,vpp", [("1f1b", 4, 8, None), ("interleaved", 2, 4, 2), ("zb1p", 3, 6, None),
+                                               ("dualpipev", 2, 4, None)])
+def test_staged_run_equals_the_simulator_for_equal_stages(schedule, pp, m, vpp):
+    """plan/staged.py charges each stage its own cost; with one cost for every stage it must give the
+    pipeline simulator's makespan (the reference), and a heavier stage must lengthen it."""
+    from moetron.pipeline.schedules import build_schedule
+    from moetron.pipeline.simulator import simulate
+    from moetron.plan.cost import StageTime
+    from moetron.plan.staged import staged_run
+
+    n_stages = build_schedule(schedule, pp=pp, microbatches=m, vpp=vpp).num_stages
+    W = 0.7 if schedule in ("zb1p", "dualpipev") else 0.0
+    costs = {s: StageTime(F=1.0, B=1.3, W=W) for s in range(n_stages)}
+    want = simulate(schedule, pp=pp, microbatches=m, vpp=vpp, F=1.0, B=1.3 if W else 1.3 + W, W=W or None,
+                    comm=0.05).makespan
+    got, hidden = staged_run(schedule, pp, m, vpp, costs, 0.05, False)
+    assert got == pytest.approx(want) and hidden == 0.0
+    costs[n_stages - 1] = StageTime(F=2.0, B=2.6, W=W)
+    assert staged_run(schedule, pp, m, vpp, costs, 0.05, False)[0] > got
 
 
 def test_cli_deepseek_v3_on_2048_h800_in_time(capsys):
+    """DeepSeek's own layout (PP16 x EP64, no TP, DualPipe) ranks in the top 5 once the planner stores
+    activations as DeepSeek did (FP8 weights are quantised once per step by moetron itself) and
+    dispatches as DeepEP; with moetron's own activation storage it needs full recompute to fit."""
     start = time.time()
     assert moetron_main(["plan", "--recipe", "deepseek-v3-671b", "--gpus", "2048", "--gpu", "h800",
-                         "--global-batch", "15360", "--top", "10", "--json"]) == 0
+                         "--global-batch", "15360", "--fp8", "blockwise", "--dispatcher", "flex",
+                         "--fp8-activation-cache", "--top", "10", "--json"]) == 0
     elapsed = time.time() - start
     data = json.loads(capsys.readouterr().out)
     assert len(data["layouts"]) == 10 and data["pruned"]
     assert elapsed < 60, elapsed  # 30 s on an idle 2-core machine; headroom for a loaded one
+    sizes = [(e["tp"], e["cp"], e["ep"], e["pp"], e["schedule"]) for e in data["layouts"]]
+    assert (1, 1, 64, 16, "dualpipev") in sizes[:5], sizes
+    explain = ["plan", "--recipe", "deepseek-v3-671b", "--gpus", "2048", "--gpu", "h800", "--global-batch", "15360",
+               "--fp8", "blockwise", "--explain"]
+    layout = "pp=16 ep=64 schedule=dualpipev recompute={} fb_overlap=1"
+    assert moetron_main(explain + [layout.format("mla_up_proj,mlp,moe_act,layernorm,shared_experts")]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "fp8 weights        0.00 GiB" in out
+    assert moetron_main(explain + [layout.format("full")]) == 0
+    assert ": fits" in capsys.readouterr().out
+    assert moetron_main(["plan", "--recipe", "qwen3-moe-tiny", "--gpus", "2", "--fp8-activation-cache"]) == 2
+    assert "add --fp8 RECIPE" in capsys.readouterr().err
     assert moetron_main(["plan", "--recipe", "qwen3-moe-tiny", "--gpus", "2", "--gpu", "cpu", "--dtype", "fp32",
                          "--explain", "ep=2 mbs=2"]) == 0
     assert "tokens/s/GPU" in capsys.readouterr().out
     assert moetron_main(["plan", "--recipe", "qwen3-moe-tiny", "--gpus", "2", "--explain", "ep=3"]) == 2
     assert "this layout cannot run" in capsys.readouterr().err
+
+
+def test_search_space_options_zero_stages_and_cp_comm_types(capsys):
+    """--schedules / --no-fb-overlap restrict the search; ZeRO-2 trades gradient memory for a reduce-scatter per
+    micro-batch; a ring (p2p) hides K/V behind the attention core where allgather waits for it."""
+    cfg = get_recipe("qwen3-moe-30b-a3b").model
+    planner = Planner(PlanInputs(cfg, 16, GPUS["h100"], 8, 4096, 512, schedules=("1f1b", "interleaved"),
+                                 fb_overlap=False))
+    best = planner.search(8)
+    assert best and all(e.cand.schedule in ("1f1b", "interleaved") and not e.cand.fb_overlap for e in best)
+    full = Planner(PlanInputs(cfg, 64, GPUS["h100"], 8, 4096, 512))  # expert-dp spans nodes: reduce over the NIC
+    one = full.evaluate(Candidate.parse("ep=2 pp=2 schedule=1f1b recompute=full"), check_memory=False)
+    two = full.evaluate(Candidate.parse("ep=2 pp=2 schedule=1f1b recompute=full zero_stage=2"), check_memory=False)
+    # dense gradients sharded over dp = 32, the experts' over expert-dp = 64 / (ep 2 x pp 2) = 16
+    assert two.memory["grads"] * 16 < one.memory["grads"] and two.memory["optimizer"] == one.memory["optimizer"]
+    assert two.time["dp comm"] > one.time["dp comm"] and one.microbatches > 1
+    long = Planner(PlanInputs(cfg, 16, GPUS["h100"], 8, 32768, 64))
+    times = {k: long.evaluate(Candidate.parse(f"cp=4 ep=8 cp_comm_type={k} recompute=full"), check_memory=False)
+             for k in ("allgather", "p2p", "a2a", "a2a+p2p")}
+    assert times["p2p"].time["cp comm"] < times["allgather"].time["cp comm"]
+    assert all(t.time["cp comm"] >= 0 for t in times.values()) and times["a2a"].time["cp comm"] > 0
+    with pytest.raises(Pruned, match="zero_stage=2 with one data-parallel rank"):
+        Planner(PlanInputs(cfg, 8, GPUS["h100"], 8, 4096, 64)).check(Candidate.parse("ep=1 pp=8 zero_stage=2"))
+    with pytest.raises(ValueError, match="zero_stage=3 \\(FSDP2\\) runs data parallel only"):
+        Candidate.parse("ep=2 zero_stage=3")
+    assert moetron_main(["plan", "--recipe", "qwen3-moe-tiny", "--gpus", "2", "--schedules", "1f1b,gpipe"]) == 2
+    assert "--schedules" in capsys.readouterr().err

@@ -24,6 +24,7 @@ from moetron.checkpoint.sharded import (
     local_tensors, plan_writes, read_local, read_local_flat, read_meta, write_flat_range, write_local_boxes,
 )
 from moetron.checkpoint.commit import fault_point, write_durably
+from moetron.checkpoint.dtensor import as_dtensor_like, local_part, local_shards
 from moetron.checkpoint.save_dir import LATEST, mark_latest
 from moetron.checkpoint.verify import nonfinite, seal_meta, verify_checkpoint
 HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -42,7 +43,7 @@ class _TorchOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, local: dict[str, LocalTensor]):
         self.opt = optimizer
-        self.name_of = {id(lt.tensor): n for n, lt in local.items()}
+        self.name_of = {id(getattr(lt, "param", lt.tensor)): n for n, lt in local.items()}  # param: ZeRO-3's DTensor
         self.local = local
         self.slots = sorted({k for st in optimizer.state.values() for k, v in st.items()
                              if torch.is_tensor(v) and k != "step"})
@@ -53,12 +54,13 @@ class _TorchOptimizer:
                 yield i, self.name_of[id(p)], p
 
     def ranges(self) -> dict[str, tuple[int, int]]:
-        return {name: (0, p.numel()) for _, name, p in self.params()}
+        return {name: (0, self.local[name].tensor.numel()) for _, name, _ in self.params()}
 
     def slot_data(self, name: str) -> dict[str, tuple[torch.Tensor, int]]:
-        p = self.local[name].tensor
-        state = self.opt.state.get(p, {})
-        return {s: ((state[s] if s in state else torch.zeros_like(p)).detach().reshape(-1), 0) for s in self.slots}
+        lt = self.local[name]
+        p = lt.tensor
+        state = self.opt.state.get(getattr(lt, "param", p), {})
+        return {s: ((local_part(state[s]) if s in state else torch.zeros_like(p)).detach().reshape(-1), 0) for s in self.slots}
 
     def meta(self) -> dict:
         groups, steps = [], {}
@@ -91,7 +93,8 @@ class _TorchOptimizer:
             state = {"step": torch.tensor(float(step), device=p.device if fused else "cpu")}
             for slot in reader.slots(name):
                 if slot != "master":
-                    state[slot] = read_local(reader, self.local[name], slot, dtype=p.dtype).to(p.device)
+                    value = read_local(reader, self.local[name], slot, dtype=p.dtype).to(p.device)
+                    state[slot] = as_dtensor_like(value, p)
             self.opt.state[p] = state
 
 
@@ -211,7 +214,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model: torch.nn.Module,
     `modules` are this rank's pipeline stage modules (default: the whole `model`).
     """
     root = Path(root)
-    local = local_tensors(modules or [model], parallel_state)
+    local = local_shards(local_tensors(modules or [model], parallel_state))
     opt = _adapter(optimizer, local)
     _refuse_nonfinite(local, opt, f"cannot save the checkpoint of step {step} to {root}")
     plan = plan_writes(local, None if opt is None else opt.ranges())
@@ -332,7 +335,7 @@ def load_checkpoint(folder: str | os.PathLike, model: torch.nn.Module, optimizer
                 raise FileNotFoundError(f"{folder}: checkpoint is incomplete, {name} is missing")
     reader = StoreReader(folder, {**meta, "files": files}, kinds)
     try:
-        local = local_tensors(modules or [model], parallel_state)
+        local = local_shards(local_tensors(modules or [model], parallel_state))
         load_model_tensors(reader, local, str(folder))
         opt = _adapter(optimizer, local)
         if opt is not None:

@@ -274,3 +274,16 @@ def unpermute(
         raise ValueError(f"unpermute: impl={impl!r} (deterministic={deterministic}) needs the slot maps that "
                          "permute() and routing_plan() fill in PermuteState; this state has none")
     return fused_unpermute(y_NH, state, topk_weights_TK, impl)
+
+
+def row_weights(state: PermuteState, weights: torch.Tensor | None) -> torch.Tensor | None:
+    """`probs_N[r] = weights.flat[slot_of_row[r]]` (fp32), 0 on padding rows; differentiable: the
+    routing weight of every permuted row, for experts that apply it (moe/layer.py: probs_on_experts)."""
+    if weights is None or state.slot_of_row is None:
+        return None
+    slot = state.slot_of_row
+    flat = weights.reshape(-1).float()
+    if flat.numel() == 0:  # no token: keep the weights in the graph (their gradient is zeros)
+        return flat.new_zeros(slot.numel()) + 0 * flat.sum()
+    probs = flat.index_select(0, slot.clamp_min(0))
+    return probs if state.padded_pos is None else torch.where(slot >= 0, probs, 0.0)

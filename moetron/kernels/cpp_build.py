@@ -1,4 +1,5 @@
-"""Build and load moetron's CPU kernels (`moetron/csrc/permute_cpu.cpp`, `swiglu_cpu.cpp`: one library)
+"""Build and load moetron's CPU kernels (`moetron/csrc/permute_cpu.cpp`, `swiglu_cpu.cpp`,
+`grouped_gemm_cpu.cpp`: one library)
 on first use, once per machine.
 
 `torch.utils.cpp_extension.load` compiles the file with ninja into
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 EXTENSION_NAME = "moetron_permute_cpu"
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "permute_cpu.cpp"
 SWIGLU_SOURCE = SOURCE.with_name("swiglu_cpu.cpp")  # built with SOURCE: one library, one build
+GEMM_SOURCE = SOURCE.with_name("grouped_gemm_cpu.cpp")  # likewise
 # -ffp-contract=off: no FMA contraction, the fused numerics equal the torch reference bit for bit.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 
@@ -62,7 +64,7 @@ def _missing_tool() -> str | None:
 
 
 def _sources() -> tuple[Path, ...]:
-    return SOURCE, SWIGLU_SOURCE
+    return SOURCE, SWIGLU_SOURCE, GEMM_SOURCE
 
 
 def build_directory(name: str = EXTENSION_NAME) -> Path:
@@ -162,3 +164,9 @@ def load_swiglu_ops(verbose: bool = False):
     """The fused SwiGLU ops of the same library (`torch.ops.moetron_swiglu`); see `load_permute_ops`."""
     load_permute_ops(verbose)
     return torch.ops.moetron_swiglu
+
+
+def load_grouped_gemm_ops(verbose: bool = False):
+    """The CPU grouped GEMM of the same library (`torch.ops.moetron_gemm`); see `load_permute_ops`."""
+    load_permute_ops(verbose)
+    return torch.ops.moetron_gemm

@@ -201,7 +201,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: in
     out.add("rope tables", rope)
     path = attention_path(cfg, device)
     if cfg.attention_type == "gqa":
-        _gqa(out, cfg, batch, seq, b, mods, path)
+        _gqa(out, cfg, batch, seq, b, mods, path, device)
     else:
         _mla(out, cfg, batch, seq, b, mods, path)
 
@@ -224,7 +224,8 @@ def _norm(out: LayerActivations, name: str, T: int, H: int, b: int, discarded: b
         return
     out.add(f"{name} input fp32", T * H * 4)  # pow and mul save x32 (x itself when fp32)
     out.add(f"{name} rstd", T * 4)
-    out.add(f"{name} normalised", T * H * b)  # weight * xn saves xn
+    if b != 4:  # fp32 runs ops/functional.py's Function, which saves x and rstd only
+        out.add(f"{name} normalised", T * H * b)  # weight * xn saves xn
 
 
 def _swiglu_mlp(out: LayerActivations, name: str, T: int, F: int, b: int) -> None:
@@ -235,17 +236,21 @@ def _swiglu_mlp(out: LayerActivations, name: str, T: int, F: int, b: int) -> Non
     out.add(f"{name} act", T * F * b)
 
 
-def _gqa(out: LayerActivations, cfg: ModelConfig, B: int, S: int, b: int, mods, path: str) -> None:
+def _gqa(out: LayerActivations, cfg: ModelConfig, B: int, S: int, b: int, mods, path: str, device: str) -> None:
     T, h, g, d = B * S, cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
     for which, heads in (("q", h), ("k", g)):  # per-head RMSNorm of q and k
         out.add(f"{which}_norm input fp32", T * heads * d * 4)
         out.add(f"{which}_norm rstd", T * heads * 4)
-        out.add(f"{which}_norm normalised", T * heads * d * b)
+        if b != 4:  # the fp32 Function saves no normalised copy
+            out.add(f"{which}_norm normalised", T * heads * d * b)
     if path != "fused":
         raise NotImplementedError(f"the formula covers GQA with a fused attention kernel, not {path!r}")
     if "core_attn" in mods:  # checkpoint inputs: q (rotated), k (rotated), v (view of v_proj's output)
         out.add("core input q", T * h * d * b)
         out.add("core input k, v", 2 * T * g * d * b)
+    elif device == "cpu":  # q, k, v (SDPA reads each kv head for its group: enable_gqa), log-sum-exp
+        out.add("core q, k, v", (h + 2 * g) * T * d * b)
+        out.add("core logsumexp", T * h * 4)
     else:  # q, k and v expanded to h heads (k, v themselves when g == h), log-sum-exp
         out.add("core q, k, v", 3 * T * h * d * b)
         out.add("core logsumexp", T * h * 4)
@@ -260,13 +265,15 @@ def _mla(out: LayerActivations, cfg: ModelConfig, B: int, S: int, b: int, mods, 
         qr = cfg.q_lora_rank
         out.add("q_a_layernorm input fp32", T * qr * 4)
         out.add("q_a_layernorm rstd", T * 4)
-        out.add("q_a_layernorm normalised", T * qr * b)
+        if b != 4:  # the fp32 Function saves no normalised copy
+            out.add("q_a_layernorm normalised", T * qr * b)
         out.add("q latent", T * qr * b)  # saved by q_b_proj (the mla_up_proj region's input)
     # kv_a_layernorm normalises a view of kv_a_proj's output [T, r+dr]: in fp32 it saves that view
     # (the whole output stays alive), otherwise its fp32 copy of the latent part
     out.add("kv_a_layernorm input fp32", T * (r + dr) * 4 if b == 4 else T * r * 4)
     out.add("kv_a_layernorm rstd", T * 4)
-    out.add("kv_a_layernorm normalised", T * r * b)
+    if b != 4:
+        out.add("kv_a_layernorm normalised", T * r * b)
     out.add("kv latent", T * r * b)  # saved by kv_b_proj
     up_discarded = "mla_up_proj" in mods
     if up_discarded:  # the region's inputs beyond the two latents: the rotated shared key

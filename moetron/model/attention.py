@@ -30,6 +30,7 @@ class GroupedQueryAttention(nn.Module):
     """GQA with RMSNorm on each head of q and k before RoPE (Qwen3)."""
 
     cp_group: Group | None = None  # context-parallel group (set by context_parallelize)
+    cp_comm: context_parallel.CPComm | None = None  # its exchange (set by context_parallelize; None: all-gather)
     recompute_modules: frozenset[str] = frozenset()  # set by the decoder layer
 
     def __init__(self, cfg: ModelConfig):
@@ -58,7 +59,7 @@ class GroupedQueryAttention(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.cp_group is not None and self.cp_group.size > 1:
-            fn, extra = context_parallel.gqa_attention, (self.cp_group,)
+            fn, extra = context_parallel.gqa_attention, (self.cp_group, self.cp_comm)
         else:
             fn, extra = core_attention, ()
         args = (q, k, v, self.head_dim ** -0.5, self.cfg.attention_backend, *extra)
@@ -71,6 +72,7 @@ class MultiLatentAttention(nn.Module):
     decompressed from a `kv_lora_rank` latent; one rotary key part shared by all heads."""
 
     cp_group: Group | None = None  # context-parallel group (set by context_parallelize)
+    cp_comm: context_parallel.CPComm | None = None  # its exchange (set by context_parallelize; None: all-gather)
     recompute_modules: frozenset[str] = frozenset()  # set by the decoder layer
 
     def __init__(self, cfg: ModelConfig):
@@ -123,15 +125,18 @@ class MultiLatentAttention(nn.Module):
         B, S = latent.shape[:2]
         k_rot = apply_rope(k_rot.view(B, 1, S, self.rope_dim), cos, sin, self.cfg.rope_interleave)
         cp = self.cp_group is not None and self.cp_group.size > 1
-        if cp:  # the whole sequence's latent and rotated rotary key, in global order
+        gather = cp and (self.cp_comm is None or self.cp_comm.kind == "allgather")
+        if gather:  # the whole sequence's latent and rotated rotary key, in global order
             latent, k_rot = context_parallel.gather_latent(latent, k_rot, self.cp_group)
         if up_discarded:
             q, k, v = recompute.discard_output(self._up_project, q_in, latent, k_rot, cos, sin)
         else:
             k, v = self._keys_values(latent, k_rot, q.shape[1])
         with recompute.saved_outputs(up_discarded):  # the core's copies of q, k, v are recomputed
-            if cp:
+            if gather:
                 fn, extra = context_parallel.attend_local_chunks, (self.cp_group.size, self.cp_group.rank)
+            elif cp:  # p2p, a2a, a2a+p2p: this rank's per-head K/V (decompressed here) are exchanged
+                fn, extra = context_parallel.exchange_attention, (self.cp_comm,)
             else:
                 fn, extra = core_attention, ()
             args = (q, k, v, self.softmax_scale, self.cfg.attention_backend, *extra)

@@ -28,7 +28,7 @@ from moetron.parallel.config import ParallelConfig, validate_for_model
 from moetron.parallel.state import Group, ParallelState
 from moetron.moe.router import TopKRouter
 from moetron.moe.tensor_parallel import TensorParallelMoELayer
-from moetron.parallel.context_parallel import cp_reduce_loss, gather_from_cp, local_positions, split_for_cp
+from moetron.parallel.context_parallel import CPComm, cp_reduce_loss, gather_from_cp, local_positions, split_for_cp
 from moetron.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, all_gather_linear,
                                               column_parallel_forward, parallelize_mlp, sum_grad_over_group)
 from moetron.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -299,11 +299,12 @@ def _context_parallel_class(base: type) -> type:
     return _cp_classes[base]
 
 
-def context_parallelize(model, parallel_state: ParallelState):
+def context_parallelize(model, parallel_state: ParallelState, cp_comm_type: str = "allgather"):
     """Make `model` (a MoETransformer, possibly tensor-parallel already) run on this CP rank's part
     of each sequence, in place; returns it. With cp=1 the model is returned as is.
 
-    Every attention module and router gets `cp_group`; the model's class gains ContextParallelModel. Call it
+    Every attention module and router gets `cp_group` (attention also `cp_comm`, its exchange:
+    `cp_comm_type` allgather, p2p, a2a or a2a+p2p); the model's class gains ContextParallelModel. Call it
     after tensor_parallelize (which replaces the model's class). Feed it `split_batch` outputs.
     """
     cp = parallel_state.cp
@@ -319,8 +320,12 @@ def context_parallelize(model, parallel_state: ParallelState):
     attention = [m for m in model.modules() if isinstance(m, (GroupedQueryAttention, MultiLatentAttention))]
     if not attention:
         raise ValueError(f"context_parallelize: {type(model).__name__} has no attention modules")
+    cp_comm = CPComm.build(cp_comm_type, parallel_state)
+    for m in attention:  # limits per TP rank; MLA exchanges per-head K/V, one per query head
+        cp_comm.check(m.num_heads, m.num_kv_heads if isinstance(m, GroupedQueryAttention) else m.num_heads,
+                      m.cfg.attention_backend)
     for m in attention:
-        m.cp_group = cp
+        m.cp_group, m.cp_comm = cp, cp_comm
     for router in model.modules():  # balancing losses over the whole sequences (see "Balancing losses")
         if isinstance(router, TopKRouter):
             router.cp_group = cp
@@ -345,5 +350,5 @@ def parallelize(model: MoETransformer, parallel_state: ParallelState, parallel: 
     else:
         expert_parallelize(model, ps, p.dispatcher, flex_backend=p.flex_backend)
     if ps.cp.size > 1:  # after tensor_parallelize, which replaces the model's class
-        context_parallelize(model, ps)
+        context_parallelize(model, ps, p.cp_comm_type)
     return model

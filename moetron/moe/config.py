@@ -9,7 +9,7 @@ AUX_LOSS_TYPES = ("none", "aux_loss", "seq_aux_loss", "global_aux_loss")
 DROP_POLICIES = ("probs", "position")
 AUX_LOSS_COUNTS = ("selected", "paper")
 BIAS_UPDATE_COUNTS = ("selected", "kept")
-EXPERT_BACKENDS = ("auto", "torch_grouped_mm", "loop", "grouped_gemm")
+EXPERT_BACKENDS = ("auto", "torch_grouped_mm", "cpp", "loop", "grouped_gemm")
 
 
 def _fail(field_name: str, value, rule: str) -> None:

@@ -1,16 +1,22 @@
 """The one seam through which every expert GEMM runs.
 
 `grouped_linear(x_NH, w_EOH, rows_per_expert)` is `F.linear` applied per expert to
-consecutive row blocks. Backends: `torch._grouped_mm` (CPU and GPUs), the
-`grouped_gemm` package (GPU, bf16 only), and a per-expert loop that always works.
+consecutive row blocks. Backends: `torch._grouped_mm` (CPU and GPUs), moetron's C++ CPU grouped
+GEMM ("cpp", moetron/csrc/grouped_gemm_cpu.cpp: the experts split over the threads once per call,
+one single-threaded BLAS call per piece; "auto" on CPU, built on first use), the `grouped_gemm`
+package (GPU, bf16 only), and a per-expert loop that always works.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from moetron import backends
+from moetron.kernels import cpp_build
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -61,11 +67,56 @@ def _grouped_gemm_pkg(x_NH, w_EOH, rows_per_expert):
     return _ContiguousGrad.apply(y)
 
 
-_BACKENDS = {"torch_grouped_mm": _grouped_mm, "loop": _loop, "grouped_gemm": _grouped_gemm_pkg}
+class _CppGroupedLinear(torch.autograd.Function):
+    """`torch.ops.moetron_gemm.grouped_mm` each way: forward (mode 0), input grad (1), weight grad (2)."""
+
+    @staticmethod
+    def forward(ctx, x_NH, w_EOH, offsets, ops):
+        ctx.ops = ops
+        x_NH, w_EOH = x_NH.contiguous(), w_EOH.contiguous()
+        ctx.save_for_backward(x_NH, w_EOH, offsets)
+        return ops.grouped_mm(x_NH, w_EOH, offsets, 0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_NO):
+        x_NH, w_EOH, offsets = ctx.saved_tensors
+        grad_NO = grad_NO.contiguous()
+        grad_x = ctx.ops.grouped_mm(grad_NO, w_EOH, offsets, 1) if ctx.needs_input_grad[0] else None
+        grad_w = ctx.ops.grouped_mm(grad_NO, x_NH, offsets, 2) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
+def _cpp(x_NH, w_EOH, rows_per_expert):
+    offsets = torch.cumsum(rows_per_expert, 0).to(torch.int32)  # saved for backward as _grouped_mm's are
+    return _CppGroupedLinear.apply(x_NH, w_EOH, offsets, cpp_build.load_grouped_gemm_ops())
+
+
+_BACKENDS = {"torch_grouped_mm": _grouped_mm, "loop": _loop, "grouped_gemm": _grouped_gemm_pkg, "cpp": _cpp}
+_cpp_noticed = False
+
+
+def _cpp_available() -> bool:
+    """Whether the C++ CPU grouped GEMM runs here (building it on first use); a one-time notice if not."""
+    global _cpp_noticed
+    ok, reason = cpp_build.cpp_status(build=True)
+    if not ok and not _cpp_noticed:
+        _cpp_noticed = True
+        warnings.warn(f"moetron: C++ CPU grouped GEMM unavailable ({reason}); experts use torch._grouped_mm "
+                      "or a per-expert loop", RuntimeWarning, stacklevel=4)
+    return ok
 
 
 def resolve_backend(name: str, x: torch.Tensor, w_EOH: torch.Tensor) -> str:
     """Pick the backend for `auto`; check a named one can run."""
+    if name == "cpp":
+        if x.device.type != "cpu":
+            raise ValueError(f"expert_backend=cpp runs CPU tensors only, got tokens on {x.device}: "
+                             "use expert_backend='auto'")
+        ok, reason = cpp_build.cpp_status(build=True)
+        if not ok:
+            raise RuntimeError(f"expert_backend=cpp was requested but is unavailable: {reason}")
+        return name
     if name != "auto":
         if name != "loop":
             backends.require(name)
@@ -87,6 +138,8 @@ def resolve_backend(name: str, x: torch.Tensor, w_EOH: torch.Tensor) -> str:
             return "torch_grouped_mm"
         bf16 = x.dtype == torch.bfloat16 and w_EOH.dtype == torch.bfloat16
         return "grouped_gemm" if bf16 and backends._has_module("grouped_gemm") else "loop"
+    if x.device.type == "cpu" and _cpp_available():
+        return "cpp"
     if hasattr(torch, "_grouped_mm") and usable_dtype and _aligned(x, w_EOH.shape[-1], w_EOH.shape[-2]):
         return "torch_grouped_mm"
     return "loop"

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moetron.dispatch.allgather import AllGatherDispatcher, AllGatherHandle
-from moetron.dispatch.alltoall import AllToAllDispatcher
+from moetron.dispatch.alltoall import AllToAllDispatcher, AllToAllHandle
 from moetron.dispatch.base import LocalDispatcher, TokenDispatcher
 from moetron.dispatch.routing import Routing
 from moetron.ops import recompute
@@ -36,7 +36,7 @@ from moetron.moe.experts import GroupedExperts
 from moetron.moe.router import TopKRouter
 from moetron.parallel.state import Group, ParallelState
 from moetron.dispatch.flex import FlexTokenDispatcher, FlexTokenHandle
-from moetron.dispatch.permute import PermuteState
+from moetron.dispatch.permute import PermuteState, row_weights
 
 DISPATCHERS = ("local", "allgather", "alltoall", "flex")
 
@@ -175,6 +175,10 @@ class MoELayer(nn.Module):
             return recompute.checkpoint(self.experts, *args)
         return self.experts(*args)
 
+    def probs_for_experts(self, handle: Any) -> tuple[torch.Tensor | None, Any]:
+        """`probs_on_experts(handle)` when the experts apply the routing weights, else `(None, handle)`."""
+        return probs_on_experts(handle) if self.experts.takes_probs else (None, handle)
+
     def combine(self, y_NH: torch.Tensor, handle: Any) -> torch.Tensor:
         return self.dispatcher.combine(y_NH, handle)
 
@@ -206,9 +210,7 @@ class MoELayer(nn.Module):
             x_NH, rows_per_expert, handle = self.dispatcher.dispatch_finish(pending)
         else:
             x_NH, rows_per_expert, handle = self.dispatch(x_TH, routing)
-        probs_N = None
-        if self.experts.takes_probs:
-            probs_N, handle = probs_on_experts(handle)
+        probs_N, handle = self.probs_for_experts(handle)
         out_TH = self.combine(self.compute_experts(x_NH, rows_per_expert, probs_N), handle)
         if self.shared_experts is not None:
             out_TH = out_TH + (self.shared(x_TH) if shared_TH is None else shared_TH)
@@ -302,30 +304,22 @@ def probs_on_experts(handle: Any) -> tuple[torch.Tensor | None, Any]:
     instead of [N, H] rows, and the unpermute's backward is a plain gather).
 
     Where the rows' weights are on this rank beside a `PermuteState` (local, all-gather and flex
-    dispatch). The all-to-all dispatcher applies them on the source rank after the return
-    exchange: `(None, handle)`, and its combine weights the rows as before.
+    dispatch), or travelled with the rows (all-to-all dispatch: `handle.probs_N`). Any other
+    handle: `(None, handle)`, and its combine weights the rows.
     """
     if isinstance(handle, tuple) and len(handle) == 2 and isinstance(handle[0], PermuteState):
         state, weights = handle
-        return _row_probs(state, weights), (state, None)
+        probs = row_weights(state, weights)
+        return (probs, (state, None)) if probs is not None else (None, handle)
     if isinstance(handle, AllGatherHandle) and handle.topk_weights is not None:
-        return _row_probs(handle.state, handle.topk_weights), dataclasses.replace(handle, topk_weights=None)
+        probs = row_weights(handle.state, handle.topk_weights)
+        return (probs, dataclasses.replace(handle, topk_weights=None)) if probs is not None else (None, handle)
     if isinstance(handle, FlexTokenHandle) and handle.recv_topk_weights is not None:
-        probs = _row_probs(handle.state, handle.recv_topk_weights)
-        return probs, dataclasses.replace(handle, recv_topk_weights=None)
+        probs = row_weights(handle.state, handle.recv_topk_weights)
+        return (probs, dataclasses.replace(handle, recv_topk_weights=None)) if probs is not None else (None, handle)
+    if isinstance(handle, AllToAllHandle) and handle.probs_N is not None and handle.topk_weights is not None:
+        return handle.probs_N, dataclasses.replace(handle, topk_weights=None, probs_N=None)
     return None, handle
-
-
-def _row_probs(state: PermuteState, weights: torch.Tensor | None) -> torch.Tensor | None:
-    """`probs_N[r] = weights.flat[slot_of_row[r]]` (fp32), 0 on padding rows; differentiable."""
-    if weights is None or state.slot_of_row is None:
-        return None
-    slot = state.slot_of_row
-    flat = weights.reshape(-1).float()
-    if flat.numel() == 0:  # no token: keep the weights in the graph (their gradient is zeros)
-        return flat.new_zeros(slot.numel()) + 0 * flat.sum()
-    probs = flat.index_select(0, slot.clamp_min(0))
-    return probs if state.padded_pos is None else torch.where(slot >= 0, probs, 0.0)
 
 
 def _sum_over(t: torch.Tensor, groups) -> None:

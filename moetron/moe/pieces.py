@@ -23,19 +23,23 @@ Tensors = tuple[torch.Tensor, ...]
 Piece = tuple[str, Callable[[Tensors], Tensors]]
 
 
-class CommPiece:
-    """A piece that all-to-alls state entry `entry`; `exchange()` gives the splits, known only
-    once the previous piece ran (the count exchange)."""
+def _entries(entry: int | tuple[int, ...]) -> tuple[int, ...]:
+    return (entry,) if isinstance(entry, int) else tuple(entry)
 
-    def __init__(self, entry: int, exchange: Callable[[], RowExchange]):
+
+class CommPiece:
+    """A piece that all-to-alls state entry `entry` (or entries: the rows and their gate weights,
+    with the same splits); `exchange()` gives the splits, known only once the previous piece ran
+    (the count exchange)."""
+
+    def __init__(self, entry: int | tuple[int, ...], exchange: Callable[[], RowExchange]):
         self.entry = entry
         self.exchange = exchange
 
     def __call__(self, state: Tensors) -> Tensors:
         """Synchronous, through autograd (comm.all_to_all)."""
-        e = self.entry
-        return (*(t.view_as(t) for t in state[:e]), self.exchange()(state[e]),
-                *(t.view_as(t) for t in state[e + 1:]))
+        exchange, entries = self.exchange(), _entries(self.entry)
+        return tuple(exchange(t) if i in entries else t.view_as(t) for i, t in enumerate(state))
 
     def start(self, state: Tensors) -> Transfer:
         """Issue the all-to-all without waiting."""
@@ -43,47 +47,50 @@ class CommPiece:
 
 
 class Transfer:
-    """One run of a CommPiece: the forward all-to-all in flight, then its backward."""
+    """One run of a CommPiece: the forward all-to-all(s) in flight, then the backward ones."""
 
-    def __init__(self, entry: int, exchange: RowExchange, state: Tensors):
+    def __init__(self, entry: int | tuple[int, ...], exchange: RowExchange, state: Tensors):
         self.entry, self.exchange = entry, exchange
-        self.requires_grad = state[entry].requires_grad
+        entries = _entries(entry)
+        self.requires_grad = {e: state[e].requires_grad for e in entries}
         self._state: Tensors | None = state
-        self._pending: PendingAllToAll | None = exchange.start(state[entry])
-        self._received: tuple | None = None  # (shape, dtype, device) of the received rows
+        self._pending: dict[int, PendingAllToAll] | None = {e: exchange.start(state[e]) for e in entries}
+        self._received: dict[int, tuple] = {}  # (shape, dtype, device) of each received entry
 
     def wait(self) -> Tensors:
-        """The piece's output: the received rows (a fresh leaf) with the other entries."""
-        rows = self._pending.wait().requires_grad_(self.requires_grad)
-        self._received = (rows.shape, rows.dtype, rows.device)
-        e, state = self.entry, self._state
+        """The piece's output: the received entries (fresh leaves) with the other entries."""
+        state, out = self._state, {}
+        for e, pending in self._pending.items():
+            out[e] = rows = pending.wait().requires_grad_(self.requires_grad[e])
+            self._received[e] = (rows.shape, rows.dtype, rows.device)
         self._pending = self._state = None
-        return (*state[:e], rows, *state[e + 1:])
+        return tuple(out.get(i, t) for i, t in enumerate(state))
 
     def start_backward(self, grads: Sequence[torch.Tensor | None]) -> PendingGradients:
-        """Issue the reverse all-to-all of the entry's gradient (zeros where none arrived: the
+        """Issue the reverse all-to-all of each entry's gradient (zeros where none arrived: the
         other ranks wait for our rows)."""
-        e, grads = self.entry, tuple(grads)
-        if not self.requires_grad:
-            return PendingGradients(grads[:e] + (None,) + grads[e + 1:])
-        g = grads[e]
-        if g is None:
-            shape, dtype, device = self._received
-            g = torch.zeros(shape, dtype=dtype, device=device)
-        return PendingGradients(grads, e, self.exchange.reversed().start(g))
+        grads, pending = list(grads), {}
+        for e, needs in self.requires_grad.items():
+            if not needs:
+                grads[e] = None
+                continue
+            g = grads[e]
+            if g is None:
+                shape, dtype, device = self._received[e]
+                g = torch.zeros(shape, dtype=dtype, device=device)
+            pending[e] = self.exchange.reversed().start(g)
+        return PendingGradients(tuple(grads), pending)
 
 
 class PendingGradients:
-    """The input gradients of a CommPiece, one of them still travelling."""
+    """The input gradients of a CommPiece, some of them still travelling."""
 
-    def __init__(self, grads: Tensors, entry: int | None = None, pending: PendingAllToAll | None = None):
-        self._grads, self._entry, self._pending = grads, entry, pending
+    def __init__(self, grads: Tensors, pending: dict[int, PendingAllToAll] | None = None):
+        self._grads, self._pending = grads, pending or {}
 
     def wait(self) -> Tensors:
-        if self._pending is None:
-            return self._grads
-        e, g = self._entry, self._grads
-        return g[:e] + (self._pending.wait(),) + g[e + 1:]
+        done = {e: p.wait() for e, p in self._pending.items()}
+        return tuple(done.get(i, g) for i, g in enumerate(self._grads))
 
 
 def moe_pieces(norm: Callable, moe, index: int) -> list[Piece]:
@@ -105,15 +112,19 @@ def moe_pieces(norm: Callable, moe, index: int) -> list[Piece]:
         x_TH = x.reshape(-1, x.shape[-1])
         routing = moe.route(x_TH, x.shape[-2])
         x_NH, rows, handle = moe.dispatch(x_TH, routing)
+        probs, handle = moe.probs_for_experts(handle)  # the routing weights go into the experts
         ctx["rows"], ctx["handle"] = rows, handle
         ctx["slots"] = slots = _grad_tensors(handle)
+        probs_in = () if probs is None else (probs,)
+        ctx["probs"] = len(probs_in)
         shared_in = (x_TH,) if moe.shared_experts is not None else ()
-        return (h.view_as(h), x_NH, *slots, *shared_in)
+        return (h.view_as(h), x_NH, *probs_in, *slots, *shared_in)
 
     def experts(state: Tensors) -> Tensors:
-        n = len(ctx["slots"])
-        h, x_NH, slots, shared_in = state[0], state[1], state[2:2 + n], state[2 + n:]
-        y_NH = moe.compute_experts(x_NH, ctx["rows"])
+        p, n = ctx["probs"], len(ctx["slots"])
+        h, x_NH, probs = state[0], state[1], state[2:2 + p]
+        slots, shared_in = state[2 + p:2 + p + n], state[2 + p + n:]
+        y_NH = moe.compute_experts(x_NH, ctx["rows"], *probs)
         extra = (moe.shared(shared_in[0]),) if shared_in else ()
         return (h.view_as(h), y_NH, *(t.view_as(t) for t in slots), *extra)
 
@@ -141,11 +152,16 @@ def _phased_moe_pieces(norm: Callable, moe, index: int) -> list[Piece]:
     """dispatch | dispatch_a2a | experts | combine_a2a | combine, the all-to-alls as CommPieces
     on state entry 1 (rows), which the pipeline executor runs asynchronously.
 
-    The state is `(h, rows, *gate-weight slots, *shared-expert input or output)`; the plan and
-    handle (host splits, permutation indices) travel in the closures.
+    The state is `(h, rows, *row gate weights, *gate-weight slots, *shared-expert input or
+    output)`: when the experts apply the routing weights, each sent row's weight (`probs_send`)
+    travels beside it as entry 2 through the same all-to-all, and the combine sums unweighted
+    rows; otherwise the source rank's gate weights are a slot and the combine weights the rows.
+    The plan and handle (host splits, permutation indices) travel in the closures.
     """
     dispatcher = moe.dispatcher
     ctx: dict[str, Any] = {}
+    with_probs = moe.experts.takes_probs and getattr(dispatcher, "sends_probs", False)
+    a2a_entries = (1, 2) if with_probs else 1  # rows, and their gate weights
 
     def dispatch(state: Tensors) -> Tensors:  # norm, route, permute, count exchange
         h = state[0]
@@ -153,22 +169,31 @@ def _phased_moe_pieces(norm: Callable, moe, index: int) -> list[Piece]:
         x_TH = x.reshape(-1, x.shape[-1])
         routing = moe.route(x_TH, x.shape[-2])
         with recompute.saved_outputs("layernorm" in moe.recompute_modules):  # as MoELayer.dispatch
-            x_send, ctx["dispatch_a2a"], ctx["plan"] = dispatcher.dispatch_preprocess(x_TH, routing)
-        ctx["slots"] = slots = _grad_tensors(ctx["plan"])
+            x_send, ctx["dispatch_a2a"], plan = dispatcher.dispatch_preprocess(x_TH, routing)
+        probs_in = ()
+        if with_probs:  # the weights travel with the rows; the combine sums unweighted rows
+            probs_in = (plan.probs_send,)
+            plan = dataclasses.replace(plan, topk_weights=None, probs_send=None)
+        elif getattr(plan, "probs_send", None) is not None:
+            plan = dataclasses.replace(plan, probs_send=None)
+        ctx["plan"] = plan
+        ctx["slots"] = slots = _grad_tensors(plan)
         shared_in = (x_TH,) if moe.shared_experts is not None else ()
-        return (h.view_as(h), x_send, *slots, *shared_in)
+        return (h.view_as(h), x_send, *probs_in, *slots, *shared_in)
 
     def experts(state: Tensors) -> Tensors:  # postprocess, experts, shared, combine-preprocess
-        n = len(ctx["slots"])
-        h, x_recv, slots, shared_in = state[0], state[1], state[2:2 + n], state[2 + n:]
-        x_NH, rows, ctx["handle"] = dispatcher.dispatch_postprocess(x_recv, ctx.pop("plan"))
-        y_NH = moe.compute_experts(x_NH, rows)
+        p, n = int(with_probs), len(ctx["slots"])
+        h, x_recv, probs_recv = state[0], state[1], state[2:2 + p]
+        slots, shared_in = state[2 + p:2 + p + n], state[2 + p + n:]
+        x_NH, rows, ctx["handle"] = dispatcher.dispatch_postprocess(x_recv, ctx.pop("plan"), *probs_recv)
+        probs_N = ctx["handle"].probs_N if with_probs else None
+        y_NH = moe.compute_experts(x_NH, rows, probs_N)
         y_send, ctx["combine_a2a"] = dispatcher.combine_preprocess(y_NH, ctx["handle"])
         extra = (moe.shared(shared_in[0]),) if shared_in else ()
         return (h.view_as(h), y_send, *(t.view_as(t) for t in slots), *extra)
 
     return [(f"dispatch{index}", dispatch),
-            (f"dispatch_a2a{index}", CommPiece(1, lambda: ctx.pop("dispatch_a2a"))),
+            (f"dispatch_a2a{index}", CommPiece(a2a_entries, lambda: ctx.pop("dispatch_a2a"))),
             (f"experts{index}", experts),
             (f"combine_a2a{index}", CommPiece(1, lambda: ctx.pop("combine_a2a"))),
             (f"combine{index}", _combine_piece(ctx, dispatcher.combine_postprocess))]

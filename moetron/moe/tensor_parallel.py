@@ -148,5 +148,6 @@ class TensorParallelMoELayer(MoELayer):
             x_NH, rows_per_expert, handle = self.dispatcher.dispatch_finish(pending)
         else:
             x_NH, rows_per_expert, handle = self.dispatch(x_TH, routing)
-        out_TH = self.combine(self.compute_experts(x_NH, rows_per_expert), handle)
+        probs_N, handle = self.probs_for_experts(handle)  # the routing weights inside the experts
+        out_TH = self.combine(self.compute_experts(x_NH, rows_per_expert, probs_N), handle)
         return self.tp_output(out_TH, state, shared)

@@ -92,12 +92,16 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     if backend == "te":
         backends.require("transformer_engine")
         return _te(q, k, v, scale)
-    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
     if backend == "eager":
-        return _eager(q, k, v, scale)
+        return _eager(q, _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1]), scale)
+    # On the CPU, SDPA reads each kv head for its group of query heads itself (enable_gqa): no
+    # repeated copies of k and v nor their backward sums, the same output bit for bit.
+    gqa = q.device.type == "cpu" and k.shape[1] != q.shape[1]
+    if not gqa:
+        k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
     if Sq == Sk:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     # Bottom-right causal mask as a boolean tensor (torch.nn.attention.bias would import torch._dynamo:
     # over a second of start-up for every run).
     keep = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(Sk - Sq)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale, enable_gqa=gqa)

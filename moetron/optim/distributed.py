@@ -68,7 +68,7 @@ class _Shard:
 
     def gather_grads(self) -> torch.Tensor:
         """This rank's reduced gradient slices, as one new fp32 tensor."""
-        return torch.cat([self.buffer.grad_data[lo:hi] for lo, hi, _ in self.ranges]).float()
+        return torch.cat([self.buffer.shard_grad(lo, hi) for lo, hi, _ in self.ranges]).float()
 
     def write_params(self, bucket=None) -> None:
         """Copy the master slices (of `bucket` only, when given) into this rank's part of the

@@ -15,10 +15,11 @@ import math
 
 import torch
 
+from moetron.optim.adamw import AdamW
 from moetron.parallel.data_parallel import DataParallel
 
 
-class ReplicatedAdamW(torch.optim.AdamW):
+class ReplicatedAdamW(AdamW):
     """torch.optim.AdamW over the parameters of an all-reduce `DataParallel`, clipping globally.
 
     Two param groups like `DistributedOptimizer`'s default: the >= 2-D parameters with

@@ -35,6 +35,12 @@ class ParallelConfig:
     a full replica of the optimizer on every rank over all-reduced gradients, which costs
     memory but no parameter all-gather. Both give the same numbers; with one data-parallel
     replica (or one process) the choice changes nothing.
+
+    zero_stage (None: 1 with the distributed optimizer, replicated AdamW without): 1 = the
+    distributed optimizer above; 2 = also the gradients, reduce-scattered after every micro-batch
+    into this rank's shard; 3 = also the parameters (PyTorch FSDP2 `fully_shard`; data parallel
+    only). Any zero_stage implies distributed_optimizer=true; false with a zero_stage is an error.
+    Checkpoints resume across stages. docs/zero.md.
     """
 
     tp: int = 1
@@ -52,6 +58,7 @@ class ParallelConfig:
     # interleaved pair each backward with the next forward): off, layer, or moe (attention/dispatch/experts/combine)
     flex_backend: str = "torch"  # backend of the flex dispatcher: torch, deepep, nvshmem
     distributed_optimizer: bool = True  # ZeRO-1 over data parallel; False: replicated AdamW
+    zero_stage: int | None = None  # 1, 2 (+ sharded gradients), 3 (+ sharded parameters, FSDP2)
     # Communication overlap (Megatron-Core names; docs/megatron_switches.md).
     overlap_grad_reduce: bool = True  # DP buckets reduce during backward (every pipeline schedule)
     overlap_param_gather: bool = False  # ZeRO-1 all-gathers wait in forward pre-hooks, bucket by bucket
@@ -59,6 +66,11 @@ class ParallelConfig:
     bucket_size: int | None = None  # elements per DP bucket; None: max(40M, 1M * dp)
     tp_comm_overlap: bool = False  # chunked all-gather->GEMM / GEMM->reduce-scatter (needs sp)
     tp_comm_overlap_chunks: int = 2  # pieces each overlapped TP collective is cut into
+    # Context-parallel attention exchange (Megatron's --cp-comm-type; docs/parallel.md): allgather (K/V or MLA
+    # latent), p2p (ring), a2a (Ulysses), a2a+p2p (a2a inside groups of hierarchical_cp[0] consecutive CP ranks,
+    # a ring of hierarchical_cp[1] over them; Megatron's --hierarchical-context-parallel-sizes)
+    cp_comm_type: str = "allgather"
+    hierarchical_cp: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.etp is None:
@@ -84,6 +96,32 @@ class ParallelConfig:
         if self.dispatcher not in ("alltoall", "allgather", "flex"):
             raise ValueError(f"dispatcher={self.dispatcher!r} is unknown; choose alltoall, allgather or flex")
         self._check_switches()
+        self._check_cp_comm()
+
+    def _check_cp_comm(self) -> None:
+        kinds = ("allgather", "p2p", "a2a", "a2a+p2p")
+        if self.cp_comm_type not in kinds:
+            raise ValueError(f"parallel.cp_comm_type={self.cp_comm_type!r} is unknown; choose one of {', '.join(kinds)}")
+        if self.cp_comm_type != "allgather" and self.cp == 1:
+            raise ValueError(f"parallel.cp_comm_type={self.cp_comm_type} with parallel.cp=1: there is no context-"
+                             "parallel exchange; set parallel.cp > 1, or parallel.cp_comm_type=allgather")
+        h = self.hierarchical_cp
+        if h is None:
+            if self.cp_comm_type == "a2a+p2p":
+                raise ValueError("parallel.cp_comm_type=a2a+p2p needs parallel.hierarchical_cp=[a2a, p2p] (the all-to-all "
+                                 f"and ring sizes, product cp={self.cp}), e.g. [2,{max(self.cp // 2, 1)}]")
+            return
+        if self.cp_comm_type != "a2a+p2p":
+            raise ValueError(f"parallel.hierarchical_cp={h!r} is only used by parallel.cp_comm_type=a2a+p2p (got "
+                             f"{self.cp_comm_type}): set parallel.cp_comm_type=a2a+p2p, or drop parallel.hierarchical_cp")
+        if (not isinstance(h, (list, tuple)) or len(h) != 2
+                or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in h)):
+            raise ValueError(f"parallel.hierarchical_cp={h!r} must be two sizes [a2a, p2p] (inner all-to-all, outer "
+                             "ring), each an integer >= 1")
+        if h[0] * h[1] != self.cp:
+            raise ValueError(f"parallel.hierarchical_cp={list(h)}: {h[0]} x {h[1]} = {h[0] * h[1]} is not "
+                             f"parallel.cp={self.cp}")
+        self.hierarchical_cp = [int(x) for x in h]
 
     def _check_switches(self) -> None:
         """Options that would be silently ignored in this layout are errors naming the fix."""
@@ -115,6 +153,7 @@ class ParallelConfig:
         if not isinstance(self.tp_comm_overlap_chunks, int) or self.tp_comm_overlap_chunks < 2:
             raise ValueError(f"parallel.tp_comm_overlap_chunks={self.tp_comm_overlap_chunks!r} must be an integer "
                              ">= 2 (the pieces each overlapped TP collective is cut into)")
+        self._check_zero_stage()
         if self.overlap_param_gather and not self.distributed_optimizer:
             raise ValueError("parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true: only the "
                              "distributed optimizer all-gathers parameters")
@@ -125,6 +164,38 @@ class ParallelConfig:
         if self.overlap_param_gather_with_optimizer_step and not self.overlap_param_gather:
             raise ValueError("parallel.overlap_param_gather_with_optimizer_step=true needs "
                              "parallel.overlap_param_gather=true (as in Megatron-Core)")
+
+    def _check_zero_stage(self) -> None:
+        """zero_stage needs the distributed optimizer; stage 3 (FSDP2) runs data parallel only."""
+        z = self.zero_stage
+        if z is None:
+            return
+        if z not in (1, 2, 3) or isinstance(z, bool):
+            raise ValueError(f"parallel.zero_stage={z!r} is unknown; choose 1 (optimizer state), 2 (+ gradients) "
+                             "or 3 (+ parameters), or null (1, or none with distributed_optimizer=false)")
+        if not self.distributed_optimizer:
+            raise ValueError(f"parallel.zero_stage={z} shards the optimizer state, but parallel.distributed_optimizer="
+                             "false asks for AdamW replicated on every rank: set parallel.distributed_optimizer=true, "
+                             "or drop parallel.zero_stage")
+        if z == 3:
+            bad = [f"{k}={getattr(self, k)}" for k in ("tp", "cp", "ep", "etp", "pp") if getattr(self, k) != 1]
+            if bad:
+                raise ValueError(f"parallel.zero_stage=3 (FSDP2 fully_shard over the data-parallel ranks) runs data "
+                                 f"parallel only, not with {', '.join('parallel.' + b for b in bad)}: use "
+                                 "parallel.zero_stage=2 (it composes with every layout), or set those to 1")
+            bad = [k for k in ("overlap_param_gather", "overlap_param_gather_with_optimizer_step") if getattr(self, k)]
+            if bad or self.bucket_size is not None:
+                name = f"parallel.{bad[0]}" if bad else "parallel.bucket_size"
+                raise ValueError(f"{name} with parallel.zero_stage=3: FSDP2 gathers and reduces per transformer "
+                                 f"layer and prefetches by itself; drop {name}, or use parallel.zero_stage 1 or 2")
+            if not self.overlap_grad_reduce:
+                raise ValueError("parallel.overlap_grad_reduce=false with parallel.zero_stage=3: FSDP2 reduce-scatters "
+                                 "each layer's gradients during backward; drop the override, or use zero_stage 1 or 2")
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO stage in effect: 0 (replicated AdamW), 1, 2 or 3."""
+        return self.zero_stage if self.zero_stage is not None else int(self.distributed_optimizer)
 
     @property
     def sequence_parallel(self) -> bool:
@@ -151,6 +222,7 @@ class ParallelConfig:
             world_size=world_size, tp=self.tp, cp=self.cp, dp=world_size // attn, pp=self.pp,
             ep=self.ep, etp=self.etp, edp=world_size // expert, vpp=self.vpp,
             sp=self.sequence_parallel, order=parse_order(self.order),
+            hierarchical_cp=tuple(self.hierarchical_cp or ()),
         )
         _check_pp_groups_agree(sizes)
         return sizes
@@ -171,6 +243,7 @@ class ParallelSizes:
     vpp: int
     sp: bool  # sequence parallel in effect (requested and tp > 1)
     order: tuple[str, ...]
+    hierarchical_cp: tuple[int, ...] = ()  # (a2a, p2p) sub-groups of CP (cp_comm_type=a2a+p2p)
 
     def attention_grid(self) -> dict[str, int]:
         """Sizes per order name for TP x CP x DP x PP (ep is not a dimension of attention)."""
@@ -243,6 +316,15 @@ def validate_for_model(
                 f"pp*vpp = {parallel.pp}*{parallel.vpp} = {stages} does not divide "
                 f"num_layers={num_layers}; give a pipeline layout string for uneven stages"
             )
+    a2a = {"a2a": cp, "a2a+p2p": (parallel.hierarchical_cp or [1])[0]}.get(parallel.cp_comm_type, 1)
+    if a2a > 1:  # Ulysses splits this TP rank's heads (kv heads: or replicates them when fewer than a2a)
+        heads, kv = num_attention_heads // tp, num_kv_heads
+        kv = None if kv is None else (kv // tp if kv % tp == 0 else 1)
+        if heads % a2a or (kv is not None and kv % a2a and a2a % kv):
+            raise ValueError(
+                f"parallel.cp_comm_type={parallel.cp_comm_type} splits attention heads over {a2a} ranks, but each "
+                f"tp rank holds {heads} query heads and {kv} kv heads: {a2a} must divide the query heads, and "
+                "divide the kv heads or be a multiple of them; use parallel.cp_comm_type=allgather or p2p")
     if seq_length is not None:
         if cp > 1 and seq_length % (2 * cp):
             raise ValueError(

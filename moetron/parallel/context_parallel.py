@@ -6,23 +6,28 @@
     batch = split_batch(ps.cp, input_ids, labels)  # this rank's tokens, labels and positions
     out = model(**batch)                           # out.loss, out.total_loss: the whole sequence's
 
+Attention exchanges K/V by all-gather (default) or, by `parallel.cp_comm_type`, a p2p ring (cp_ring.py),
+Ulysses all-to-all (cp_ulysses.py) or both (a2a+p2p): `CPComm`, `exchange_attention`.
 Design notes: docs/parallel.md (`moetron/parallel/context_parallel.py`).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from moetron.ops.attention_core import core_attention
 from moetron.parallel import comm
-from moetron.parallel.state import Group
+from moetron.parallel.cp_ring import ring_attention
+from moetron.parallel.cp_ulysses import check_heads, heads_to_sequence, replicate_kv_heads, sequence_to_heads
+from moetron.parallel.state import Group, ParallelState
 
 __all__ = ["chunk_ids", "local_positions", "split_for_cp", "merge_cp_shards", "gather_from_cp", "split_batch",
-           "gqa_attention", "gather_latent", "attend_local_chunks", "cp_reduce_loss"]
-
+           "gqa_attention", "gather_latent", "attend_local_chunks", "cp_reduce_loss", "CP_COMM_TYPES", "CPComm",
+           "exchange_attention"]
 
 
 # ---- layout ---------------------------------------------------------------------------------------
@@ -122,9 +127,11 @@ def attend_local_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 
 
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str,
-                  group: Group) -> torch.Tensor:
+                  group: Group, cp_comm: CPComm | None = None) -> torch.Tensor:
     """GQA under CP: q, k, v are this rank's [B,heads,2L,d] (RoPE applied with global positions);
-    k and v of every rank are gathered in one collective."""
+    k and v of every rank are gathered in one collective (or exchanged as `cp_comm` says)."""
+    if cp_comm is not None and cp_comm.kind != "allgather":
+        return exchange_attention(q, k, v, scale, backend, cp_comm)
     d = k.shape[-1]
     kv = gather_from_cp(torch.cat((k, v), dim=-1), group, dim=2)
     return attend_local_chunks(q, kv[..., :d], kv[..., d:], scale, backend, group.size, group.rank)
@@ -137,6 +144,78 @@ def gather_latent(latent: torch.Tensor, k_rot: torch.Tensor, group: Group) -> tu
     both = gather_from_cp(torch.cat((latent, k_rot.reshape(B, S_local, d)), dim=-1), group, dim=1)
     latent, k_rot = both.split([latent.shape[-1], d], dim=-1)
     return latent, k_rot.unsqueeze(1)
+
+
+# ---- p2p, a2a, a2a+p2p ------------------------------------------------------------------------------
+
+CP_COMM_TYPES = ("allgather", "p2p", "a2a", "a2a+p2p")
+RING_BACKENDS = ("sdpa", "eager")  # the ring computes its blocks itself (log-sum-exp merge)
+
+
+@dataclass(frozen=True)
+class CPComm:
+    """How attention exchanges over the CP group `group`: `kind` (one of CP_COMM_TYPES), the all-to-all
+    group `a2a` (a2a: the CP group; a2a+p2p: consecutive CP ranks) and the `ring` (p2p: the CP group;
+    a2a+p2p: the CP ranks with the same a2a rank), with group.rank == ring.rank * a2a.size + a2a.rank."""
+
+    kind: str
+    group: Group
+    a2a: Group | None = None
+    ring: Group | None = None
+
+    @classmethod
+    def build(cls, kind: str, ps: ParallelState) -> CPComm:
+        cp = ps.cp
+        if kind not in CP_COMM_TYPES:
+            raise ValueError(f"parallel.cp_comm_type={kind!r} is unknown; choose one of {', '.join(CP_COMM_TYPES)}")
+        if kind == "a2a+p2p":
+            a2a, ring = ps.group("cp_a2a"), ps.group("cp_p2p")
+            if cp.rank != ring.rank * a2a.size + a2a.rank or a2a.size * ring.size != cp.size:
+                raise ValueError(f"cp_a2a ({a2a.ranks}) and cp_p2p ({ring.ranks}) do not tile the CP group {cp.ranks}")
+            return cls(kind, cp, a2a, ring)
+        return cls(kind, cp, cp if kind == "a2a" else None, cp if kind == "p2p" else None)
+
+    def a2a_size(self) -> int:
+        return self.a2a.size if self.a2a is not None else 1
+
+    def ring_size(self) -> int:
+        return self.ring.size if self.ring is not None else 1
+
+    def check(self, heads: int, kv_heads: int | None, backend: str) -> None:
+        """This attention's limits (heads and kv heads per TP rank; kv_heads None: per-head K/V, as MLA)."""
+        if self.a2a_size() > 1:
+            check_heads(heads, kv_heads, self.a2a_size())
+        if self.ring_size() > 1 and backend not in RING_BACKENDS:
+            raise ValueError(f"parallel.cp_comm_type={self.kind} computes its attention blocks with torch (their "
+                             f"log-sum-exp merge), so model.attention_backend={backend} cannot take effect: use "
+                             f"model.attention_backend=sdpa or eager, or parallel.cp_comm_type=allgather or a2a")
+
+
+@functools.lru_cache(maxsize=64)
+def _a2a_orders_cpu(S_local: int, cp: int, a2a: int, ring_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, inverse) of the all-to-all's rank-major positions: the group's positions ascending,
+    which is the ring's two-chunk layout (consecutive CP ranks hold consecutive chunks)."""
+    S = S_local * cp
+    pos = torch.cat([local_positions(S, cp, ring_rank * a2a + r) for r in range(a2a)])
+    order = torch.argsort(pos)
+    return order, torch.argsort(order)
+
+
+def exchange_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str,
+                       cp_comm: CPComm) -> torch.Tensor:
+    """Causal attention of this rank's q [B,h,2L,dqk] under p2p, a2a or a2a+p2p, from this rank's
+    k [B,hk,2L,dqk] and v [B,hk,2L,dv] (RoPE applied with global positions). Returns [B,h,2L,dv]."""
+    a, n = cp_comm.a2a_size(), cp_comm.ring_size()
+    cp_comm.check(q.shape[1], k.shape[1], backend)
+    if a > 1:
+        order, inverse = (t.to(q.device) for t in _a2a_orders_cpu(q.shape[-2], cp_comm.group.size, a,
+                                                                   cp_comm.ring.rank if n > 1 else 0))
+        q = sequence_to_heads(q, cp_comm.a2a, order)
+        kv = replicate_kv_heads(torch.cat((k, v), dim=-1), a)
+        kv = sequence_to_heads(kv, cp_comm.a2a, order)
+        k, v = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    out = ring_attention(q, k, v, scale, cp_comm.ring) if n > 1 else core_attention(q, k, v, scale, backend)
+    return heads_to_sequence(out, cp_comm.a2a, inverse) if a > 1 else out
 
 
 # ---- losses and the model -------------------------------------------------------------------------

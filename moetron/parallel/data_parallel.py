@@ -134,21 +134,28 @@ class GradBuffer:
         if current:
             close()
         self.numel = offset
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=self.device)
         self.param_data = None
         if with_param_data:
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
         with torch.no_grad():
             for s in slots:
                 p = s.param
-                s.grad_view = self.grad_data[s.start:s.end].view(p.shape)
                 s.main_grad_only = grad_dtype != p.dtype
                 if self.param_data is not None:
                     view = self.param_data[s.start:s.end].view(p.shape)
                     view.copy_(p.data)
                     p.data = view
-                p.main_grad = s.grad_view
-                p.grad = None if s.main_grad_only else s.grad_view
+        self._allocate_grads()
+
+    def _allocate_grads(self) -> None:  # the full buffer, .grad/.main_grad views of it (ZeRO-2: parallel/zero.py)
+        self.grad_data = torch.zeros(self.numel, dtype=self.grad_dtype, device=self.device)
+        for s in self.slots:
+            s.grad_view = self.grad_data[s.start:s.end].view(s.param.shape)
+            s.param.main_grad = s.grad_view
+            s.param.grad = None if s.main_grad_only else s.grad_view
+
+    def shard_grad(self, lo: int, hi: int) -> torch.Tensor:  # reduced gradients of [lo, hi) in this rank's shard
+        return self.grad_data[lo:hi]
 
     def __repr__(self) -> str:
         kind = "expert" if self.expert else "dense"
@@ -182,6 +189,8 @@ class DataParallel:
         reading weights for a checkpoint) must call `finish_param_sync()` first.
     """
 
+    buffer_class = GradBuffer  # ZeRO-2 (parallel/zero.py): gradients kept as a shard
+
     def __init__(self, module: nn.Module, parallel_state: ParallelState | None = None, *,
                  bucket_size: int | None = None, use_distributed_optimizer: bool = False,
                  grad_dtype: torch.dtype | None = None, average: bool = True,
@@ -197,8 +206,7 @@ class DataParallel:
         self.module, self.parallel_state = module, ps
         self.bucket_size = bucket_size
         self.use_distributed_optimizer = use_distributed_optimizer
-        self.average, self.overlap_grad_reduce = average, overlap_grad_reduce
-        self.overlap_param_gather = overlap_param_gather
+        self.average, self.overlap_grad_reduce, self.overlap_param_gather = average, overlap_grad_reduce, overlap_param_gather
         # Mean over data-parallel replicas. Context-parallel ranks of one replica each hold their
         # token share of the replica's loss (context_parallel.cp_reduce_loss), so they are summed.
         self.grad_scale = 1.0 / ps.dp.size if average else 1.0
@@ -221,8 +229,8 @@ class DataParallel:
         for (_, _, gdtype, group_name, _), slots in groups.items():
             group = ps.group(group_name)
             pad = group.size * PAD_ALIGN if use_distributed_optimizer else 1
-            self.buffers.append(GradBuffer(group, group_name == "edp", slots[::-1], bucket_size,
-                                           pad, gdtype, use_distributed_optimizer))
+            self.buffers.append(self.buffer_class(group, group_name == "edp", slots[::-1], bucket_size,
+                                                  pad, gdtype, use_distributed_optimizer))
         self.slots = [s for b in self.buffers for s in b.slots]
         # One launch sequence for every bucket: by the backward position of the bucket's
         # earliest-registered parameter, i.e. when the bucket should become complete; the
@@ -342,6 +350,9 @@ class DataParallel:
         """Launch the all-gather of one bucket's parameter shards (waited for like the others)."""
         group = bucket.buffer.group
         if group.size == 1 or bucket.gather_work is not None:
+            return
+        if getattr(self, "param_gather_hook", None) is not None:  # FP8 bytes: precision/fp8_param_gather.py
+            bucket.gather_work = self.param_gather_hook(bucket)
             return
         lo, hi = bucket.shard_range()
         own = bucket.buffer.param_data[lo:hi].clone()  # never alias input and output

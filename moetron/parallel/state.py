@@ -82,10 +82,15 @@ def rank_groups(
 def named_rank_groups(sizes: ParallelSizes) -> dict[str, list[list[int]]]:
     """Every named group of the layout as global-rank lists, in creation order."""
     grids = {"attention": sizes.attention_grid(), "expert": sizes.expert_grid()}
-    return {
+    groups = {
         name: rank_groups(grids[grid], sizes.order, dims)
         for name, (grid, dims) in GROUP_DIMS.items()
     }
+    if sizes.hierarchical_cp:  # cp_comm_type=a2a+p2p: all-to-all over consecutive CP ranks, a ring across
+        a, p = sizes.hierarchical_cp
+        groups["cp_a2a"] = [cp[o * a:(o + 1) * a] for cp in groups["cp"] for o in range(p)]
+        groups["cp_p2p"] = [cp[r::a] for cp in groups["cp"] for r in range(a)]
+    return groups
 
 
 @dataclass(frozen=True)

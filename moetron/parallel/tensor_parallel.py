@@ -313,6 +313,10 @@ class ColumnParallelLinear(nn.Module):
         self._mark()
         return self
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """This rank's GEMM on `local_weight()`: F.linear; FP8 subclasses (precision/) override it."""
+        return F.linear(x, weight, bias)
+
     def local_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.used_rows is None:
             return self.weight, self.bias
@@ -336,12 +340,12 @@ def column_parallel_forward(x: torch.Tensor, layers, *, input_entered: bool = Fa
                          "seq_dim and overlap_chunks")
     params = [layer.local_weight() for layer in layers]
     weights, biases = [w for w, _ in params], [b for _, b in params]
-    if not first.gather_input or input_entered or group.size == 1:
-        return [F.linear(x, w, b) for w, b in zip(weights, biases)]
-    if sp:
-        return all_gather_linear(x, weights, biases, group, first.seq_dim, first.overlap_chunks)
-    x = comm.copy_to_group(x, group)
-    return [F.linear(x, w, b) for w, b in zip(weights, biases)]
+    if first.gather_input and not input_entered and group.size > 1:
+        if sp and first.overlap_chunks > 1:  # chunked overlap: high-precision GEMMs inside
+            return all_gather_linear(x, weights, biases, group, first.seq_dim, first.overlap_chunks)
+        # under sequence parallel the GEMMs (FP8 ones too) see the whole gathered sequence
+        x = comm.all_gather(x, group, first.seq_dim % x.dim()) if sp else comm.copy_to_group(x, group)
+    return [layer.linear(x, w, b) for layer, (w, b) in zip(layers, params)]
 
 
 class RowParallelLinear(nn.Module):
@@ -387,13 +391,23 @@ class RowParallelLinear(nn.Module):
         self._mark()
         return self
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """This rank's partial GEMM: F.linear; FP8 subclasses (precision/) override it."""
+        return F.linear(x, weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        if self.sequence_parallel:
+            return self.linear(x, self.weight, self.bias)
+        if self.sequence_parallel and self.overlap_chunks > 1:  # high-precision GEMMs inside
             y = linear_reduce_scatter(x, self.weight, self.group, self.seq_dim, self.overlap_chunks)
+        elif self.sequence_parallel:
+            dim = self.seq_dim % x.dim()
+            if x.shape[dim] % self.group.size:
+                raise ValueError(f"sequence parallel: the sequence dim {dim} of shape {tuple(x.shape)} is not "
+                                 f"divisible by tp={self.group.size}")
+            y = comm.reduce_scatter(self.linear(x, self.weight, None), self.group, dim)
         else:
-            y = comm.all_reduce(F.linear(x, self.weight), self.group)
+            y = comm.all_reduce(self.linear(x, self.weight, None), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

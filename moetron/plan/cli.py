@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from moetron.bridge.hf_config import config_from_hf
-from moetron.plan.candidate import Candidate
+from moetron.plan.candidate import SCHEDULES, Candidate
 from moetron.plan.gpus import GPUS, get_gpu
 from moetron.plan.report import explain, header, table, to_json
 from moetron.plan.search import Planner, PlanInputs, Pruned
@@ -36,6 +36,22 @@ def add_parser(subparsers) -> None:
                    help="sequences per optimizer step (default: the recipe's micro_batch_size x grad_accum x its dp)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="parameter / activation dtype")
     p.add_argument("--fp8", choices=["tensorwise", "delayed", "blockwise"], default=None, help="FP8 GEMM recipe")
+    p.add_argument("--fp8-weight-cache", action="store_true",
+                   help="FP8 weight copies quantised once per step under delayed scaling too (Transformer "
+                        "Engine); moetron does so for tensorwise and blockwise, per micro-batch for delayed")
+    p.add_argument("--fp8-activation-cache", action="store_true",
+                   help="DeepSeek-V3's low-precision activation storage (SwiGLU input and attention output in "
+                        "FP8, routed rows received in FP8 without a regroup copy); not moetron's (docs/planning.md)")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), metavar="LIST",
+                   help="pipeline schedules the search may use, comma-separated (default: all: "
+                        f"{','.join(SCHEDULES)}); e.g. 1f1b,interleaved for what Megatron-Core offers")
+    p.add_argument("--no-fb-overlap", action="store_true",
+                   help="never hide the EP all-to-all behind another micro-batch (parallel.fb_overlap=off)")
+    p.add_argument("--zero-stages", default="1,2,3", metavar="LIST",
+                   help="parallel.zero_stage values the search may use (default 1,2,3; 3 only data-parallel-only)")
+    p.add_argument("--dispatcher", choices=["alltoall", "flex"], default="alltoall",
+                   help="parallel.dispatcher priced: alltoall (every routed row travels) or flex (DeepEP: one "
+                        "copy per destination rank and node)")
     p.add_argument("--top", type=int, default=10, help="how many layouts to print")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--explain", metavar="LAYOUT", default=None,
@@ -63,7 +79,19 @@ def inputs_from_args(args) -> tuple[str, PlanInputs]:
     if args.gpus < 1:
         raise ValueError(f"--gpus {args.gpus} must be >= 1")
     gpu = get_gpu(args.gpu)
+    if (args.fp8_weight_cache or args.fp8_activation_cache) and not args.fp8:
+        raise ValueError("--fp8-weight-cache / --fp8-activation-cache describe FP8 training: add --fp8 RECIPE")
     seq = args.seq_len or seq
+    schedules = tuple(x.strip() for x in args.schedules.split(",") if x.strip())
+    bad = [x for x in schedules if x not in SCHEDULES]
+    if bad or not schedules:
+        raise ValueError(f"--schedules {args.schedules!r}: choose from {', '.join(SCHEDULES)} (comma-separated)")
+    try:
+        zeros = tuple(int(x) for x in args.zero_stages.split(",") if x.strip())
+    except ValueError:
+        zeros = (0,)
+    if not zeros or any(z not in (1, 2, 3) for z in zeros):
+        raise ValueError(f"--zero-stages {args.zero_stages!r}: a comma-separated list of 1, 2, 3")
     if args.global_batch:
         global_batch = args.global_batch
     elif batch:
@@ -73,7 +101,9 @@ def inputs_from_args(args) -> tuple[str, PlanInputs]:
         global_batch = 8 * args.gpus
     return name, PlanInputs(cfg, args.gpus, gpu, args.gpus_per_node or min(gpu.nvlink_domain, args.gpus), seq,
                             global_batch, args.dtype, args.fp8, "cpu" if gpu.name == "cpu" else "cuda",
-                            reserve_gib=0.5 if gpu.name == "cpu" else 4.0)
+                            reserve_gib=0.5 if gpu.name == "cpu" else 4.0, fp8_weight_cache=args.fp8_weight_cache,
+                            fp8_cache=args.fp8_activation_cache, schedules=schedules,
+                            fb_overlap=not args.no_fb_overlap, zero_stages=zeros, dispatcher=args.dispatcher)
 
 
 def run(args) -> int:

@@ -1,9 +1,10 @@
 """Time of one micro-batch of one pipeline stage on one rank: compute by GEMM shape class, the memory-bound
 rest, and the TP / CP / EP communication over the link each group spans.
 
-Efficiency factors (achieved / peak) per GEMM shape class are constants below, calibrated once against
-the published H100 runs as a whole (benchmarks/published_runs.toml), never per row; docs/planning.md
-documents them and what the model leaves out.
+Efficiency factors (achieved / peak) per GEMM shape class, the routed-row HBM traffic, the host launch
+time and the link efficiencies are constants below, each from a source or a count of the kernels, none
+fitted to a published row (benchmarks/published_runs.toml); docs/planning.md documents them and what the
+model leaves out.
 """
 
 from __future__ import annotations
@@ -14,20 +15,46 @@ import torch
 
 from moetron.config import ModelConfig
 from moetron.plan.candidate import Candidate
+from moetron.plan.comm import cp_time
 from moetron.plan.gpus import GPU
 from moetron.plan.memory import _attention_params, layer_bytes
 
 # achieved fraction of the dense peak for large shapes, per class; a narrow dimension x scales it by
 # x / (x + HALF) (a 128-wide GEMM tile row idles when the problem is narrow). First-principles values
-# (dense 0.75, grouped 0.65, attention 0.50: cuBLAS / grouped GEMM / flash-attention on H100) predicted the
-# published H100/H800 runs +24 % fast at the median; CALIBRATION scales all three once (docs/planning.md).
-CALIBRATION = 0.85
+# (dense 0.75, grouped 0.65, attention 0.50: cuBLAS / grouped GEMM / flash-attention on H100). An earlier
+# model without the routed-row traffic scaled them by 0.85; with it, 1.0 (docs/planning.md, Calibration).
+CALIBRATION = 1.0
 EFFICIENCY = {k: v * CALIBRATION for k, v in {"dense": 0.75, "grouped": 0.65, "attention": 0.50}.items()}
 HALF = {"dense": 128, "grouped": 256}
 FP8_GEMM_SPEEDUP = 1.35  # achieved FP8 / BF16 GEMM speed (quantisation and scaling kernels included)
 MEMORY_PASSES = 4.0  # HBM traffic per byte saved for backward (written, re-read, elementwise in/out)
 LINK_EFFICIENCY = 0.75  # achieved / nominal link bandwidth for collectives and all-to-all
 LATENCY_S = 20e-6  # per collective / all-to-all call
+# DeepEP's normal (training) kernels reach 43-46 GB/s of RDMA bandwidth internode on ConnectX-7 400 Gb/s
+# (50 GB/s) NICs, H800 (github.com/deepseek-ai/DeepEP README, "Normal kernels with NVLink and RDMA
+# forwarding"): the flex dispatcher's NIC leg runs at that share instead of LINK_EFFICIENCY.
+DEEPEP_NIC_EFFICIENCY = 43 / 50
+# Communication hidden behind compute still occupies SMs: DeepSeek-V3 dedicates 20 of the H800's 132 SMs to
+# its all-to-all kernels (technical report, section 3.2.2); NCCL's all-to-all channels take a like share.
+# The compute beside an overlapped all-to-all runs that much slower (plan/search.py `step_time`).
+OVERLAP_SM_SHARE = 20 / 132
+# Memory-bound work the saved-activation proxy (MEMORY_PASSES) does not see: bytes of HBM traffic per routed
+# row and hidden element, forward (backward moves twice as much): permute and unpermute (read + write a row
+# each), the expert-major regroup after the all-to-all and back before the combine (two more copies, EP > 1),
+# the SwiGLU (reads 2F, writes F: per F element 3), and under FP8 each expert GEMM input quantised with its
+# amax pass and the transposed copy the weight gradient reads (read in bf16 twice, write two FP8 copies).
+# Counted from the kernels of dispatch/permute.py, dispatch/alltoall.py and precision/fp8_matmul.py.
+ROW_COPY_PASSES = 2 * 2  # permute + unpermute, read + write
+REGROUP_PASSES = 2 * 2
+FP8_QUANT_BYTES = 2 * 2 + 2  # per element: two bf16 reads (amax, cast), two 1-byte writes (row-major, transposed)
+ROUTER_PASSES = 6  # fp32 logits written, softmax / sigmoid read + written, top-k and the aux-loss statistics read
+HBM_EFFICIENCY = 0.8  # achieved / nominal HBM bandwidth of streaming kernels (copy, elementwise) on Hopper
+# Host side: an eager framework spends this long on the CPU per kernel it launches (Python module + autograd +
+# the CUDA launch; PyTorch and Megatron-Bridge name launch-bound steps of small models as what CUDA graphs
+# fix: docs.nvidia.com/nemo/megatron-bridge/latest/training/cuda-graphs.html). A phase takes max(GPU, host).
+LAUNCH_S = 8e-6
+KERNELS = {"attention": 30, "mlp": 12, "moe": 60, "per_local_expert": 2}  # forward; backward launches twice
+SYNC_S = 30e-6  # the dispatcher's host sync on the token counts (dispatch/alltoall.py: one per MoE forward)
 
 
 def _s(x: float, half: float) -> float:
@@ -65,13 +92,20 @@ def group_link(size: int, stride: int, per_node: int, gpu: GPU) -> float:
 
 
 def alltoall_time(token_bytes: float, tokens: float, k: int, ep: int, stride: int, per_node: int, gpu: GPU,
-                  node_limit: int | None) -> float:
-    """One dispatch (or combine) of `tokens` rows of `token_bytes` over an EP group, DeepEP style: one copy
-    per destination node over the NIC, fanned out to the node's ranks over NVLink."""
+                  node_limit: int | None, dedup: bool = True) -> float:
+    """One dispatch (or combine) of `tokens` rows of `token_bytes` over an EP group. dedup (DeepEP, the flex
+    dispatcher): one copy per destination rank, one per destination node over the NIC fanned out over
+    NVLink. Without (the alltoall dispatcher, dispatch/alltoall.py): every (token, expert) row travels."""
     if ep == 1:
         return 0.0
     ranks = ep
     nodes = max(1, -(-ep * stride // per_node))
+    if not dedup:
+        sent = tokens * token_bytes * k
+        local = min(ranks, max(1, per_node // stride))  # EP ranks in this NVLink domain
+        nvl = sent * (local - 1) / ranks / (gpu.nvlink_gbps * 1e9 * LINK_EFFICIENCY)
+        nic = sent * (ranks - local) / ranks / (gpu.scaleout_gbps * 1e9 * LINK_EFFICIENCY)
+        return max(nvl, nic) + LATENCY_S
     dest_ranks = ranks * (1 - (1 - 1 / ranks) ** k)
     nvlink = tokens * token_bytes * dest_ranks * (ranks - 1) / ranks / (gpu.nvlink_gbps * 1e9 * LINK_EFFICIENCY)
     if nodes == 1:
@@ -79,7 +113,7 @@ def alltoall_time(token_bytes: float, tokens: float, k: int, ep: int, stride: in
     dest_nodes = nodes * (1 - (1 - 1 / nodes) ** k)
     if node_limit:
         dest_nodes = min(dest_nodes, node_limit)
-    nic = tokens * token_bytes * dest_nodes * (nodes - 1) / nodes / (gpu.scaleout_gbps * 1e9 * LINK_EFFICIENCY)
+    nic = tokens * token_bytes * dest_nodes * (nodes - 1) / nodes / (gpu.scaleout_gbps * 1e9 * DEEPEP_NIC_EFFICIENCY)
     return max(nvlink, nic) + LATENCY_S
 
 
@@ -93,6 +127,7 @@ class Setting:
     gpu: GPU
     per_node: int
     device: str  # "cuda" or "cpu": which attention path the activation formula follows
+    dispatcher: str = "alltoall"  # parallel.dispatcher: alltoall (every routed row travels) or flex (DeepEP)
 
 
 def _gemm(flops: float, eff: float, peak: float, fp8: bool) -> float:
@@ -102,7 +137,7 @@ def _gemm(flops: float, eff: float, peak: float, fp8: bool) -> float:
 def layer_time(c: ModelConfig, moe: bool, layer_idx: int, cand: Candidate, s: Setting) -> StageTime:
     """One decoder layer, one micro-batch, this rank. Backward = 2x the GEMMs' forward (half of it the
     weight gradient), 2.5x the attention core's; recompute adds its forward again to B."""
-    gpu, tp, cp, T = s.gpu, cand.tp, cand.cp, cand.mbs * s.seq // cand.cp
+    gpu, tp, T = s.gpu, cand.tp, cand.mbs * s.seq // cand.cp
     peak = gpu.bf16_tflops * 1e12 if s.dtype != "fp32" else gpu.bf16_tflops * 0.5e12
     H, h = c.hidden_size, c.num_attention_heads
     b = 4 if s.dtype == "fp32" else 2
@@ -129,10 +164,16 @@ def layer_time(c: ModelConfig, moe: bool, layer_idx: int, cand: Candidate, s: Se
         parts["router"] = 2 * T * H * c.num_experts / (peak * EFFICIENCY["dense"])
         node_limit = c.topk_group if (c.n_group or 1) > 1 else None
         tokens = T / tp
+        dedup = s.dispatcher == "flex"
         dispatch = alltoall_time(H * (1 if s.fp8 else b), tokens, c.top_k, cand.ep, cand.etp, s.per_node, gpu,
-                                 node_limit)
-        combine = alltoall_time(H * b, tokens, c.top_k, cand.ep, cand.etp, s.per_node, gpu, node_limit)
+                                 node_limit, dedup)
+        combine = alltoall_time(H * b, tokens, c.top_k, cand.ep, cand.etp, s.per_node, gpu, node_limit, dedup)
         ep_time = dispatch + combine
+        hbm = gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY
+        per_row = H * b * (ROW_COPY_PASSES + (REGROUP_PASSES if cand.ep > 1 and not dedup else 0)) + 3 * F * b
+        if s.fp8:
+            per_row += (H + F) * FP8_QUANT_BYTES
+        parts["routed memory"] = rows * per_row / hbm + T / tp * c.num_experts * 4 * ROUTER_PASSES / hbm
     else:
         I = c.intermediate_size // tp
         parts["mlp"] = _gemm(2 * T * 3 * H * I, EFFICIENCY["dense"] * _s(I, HALF["dense"]), peak, s.fp8)
@@ -143,17 +184,21 @@ def layer_time(c: ModelConfig, moe: bool, layer_idx: int, cand: Candidate, s: Se
     tp_time = 0.0
     if tp > 1:  # all-gather + reduce-scatter around attention and around the MLP / MoE block
         tp_time = 4 * T * H * b * (tp - 1) / tp / group_link(tp, 1, s.per_node, gpu) + 4 * LATENCY_S
-    cp_time = 0.0
-    if cp > 1:  # K and V gathered around the ring, hidden behind the attention core where it is longer
-        kv = (2 * c.num_kv_heads * c.head_dim if c.attention_type == "gqa" else h * (qk + v)) / tp
-        ring = T * kv * b * (cp - 1) / group_link(cp, tp, s.per_node, gpu)
-        cp_time = max(0.0, ring - parts["core"])
+    cp_f, cp_b = cp_time(c, cand, T, b, parts["core"], s.per_node,
+                         lambda size, stride: group_link(size, stride, s.per_node, gpu))
+    streamed = parts.pop("routed memory", 0.0)
     gemm = sum(t for k, t in parts.items() if k != "core")
     out = StageTime()
-    out.F = gemm + parts["core"] + memory / 3 + tp_time + cp_time + ep_time
+    out.F = gemm + parts["core"] + memory / 3 + streamed + tp_time + cp_f + ep_time
     out.W = gemm
-    out.B = gemm + 2.5 * parts["core"] + 2 * memory / 3 + tp_time + cp_time + ep_time
-    out.comm = {"tp": 2 * tp_time, "cp": 2 * cp_time, "ep": 2 * ep_time}
+    out.B = gemm + 2.5 * parts["core"] + 2 * memory / 3 + 2 * streamed + tp_time + cp_b + ep_time
+    host = LAUNCH_S * (KERNELS["attention"] + (KERNELS["moe"] + KERNELS["per_local_expert"] * c.num_experts //
+                                                cand.ep if moe else KERNELS["mlp"]))
+    sync = SYNC_S if moe and cand.ep > 1 else 0.0
+    out.F = max(out.F, host) + sync
+    out.B = max(out.B, 2 * host)
+    memory += streamed * 3
+    out.comm = {"tp": 2 * tp_time, "cp": cp_f + cp_b, "ep": 2 * ep_time}
     out.ep_fwd = ep_time
     rec = _recompute_time(cand, parts, memory, tp_time, ep_time, moe)
     out.B += rec

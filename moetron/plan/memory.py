@@ -18,7 +18,9 @@ import torch
 
 from moetron.config import ModelConfig
 from moetron.model.activation_memory import layer_activation_bytes
+from moetron.model.model import MoETransformer
 from moetron.parallel.data_parallel import PAD_ALIGN, default_bucket_size
+from moetron.parallel.zero import MAX_IN_FLIGHT
 from moetron.pipeline.layout import PipelineStage
 from moetron.pipeline.stage import parameter_keys
 from moetron.plan.candidate import Candidate
@@ -129,9 +131,33 @@ def rank_state(c: ModelConfig, cand: Candidate, stages: list[PipelineStage], gpu
     bucket = default_bucket_size(dp_cp)
     if not zero:
         return StateBytes(pbytes * n, 4 * n, (8 if dtype == "fp32" else 12) * n, dense, expert)
+    if cand.zero_stage == 3:  # FSDP2: fp32 parameter shards, fp32 gradient shards, AdamW's two moments
+        local = fsdp_shard_numel(c, cand.dp(gpus))[0]
+        return StateBytes(4 * local, 4 * local, 8 * local, dense, expert)
     bd, be = buffer_numel(dense, dp_cp, bucket), buffer_numel(expert, edp, bucket)
     shard = bd // dp_cp + be // edp
-    return StateBytes(pbytes * (bd + be), 4 * (bd + be), 12 * shard, dense, expert)
+    grads = 4 * (shard if cand.zero_stage == 2 else bd + be)  # ZeRO-2 keeps this rank's shard of every bucket
+    return StateBytes(pbytes * (bd + be), grads, 12 * shard, dense, expert)
+
+
+_FSDP_CACHE: dict = {}
+
+
+def fsdp_shard_numel(c: ModelConfig, dp: int) -> tuple[int, int]:
+    """ZeRO-3 (parallel/fsdp.py): FSDP2 shards every parameter on dim 0 in `torch.chunk` pieces, so rank 0
+    (the fullest) holds ceil(d0 / dp) rows of each. Returns (rank 0's elements, the largest unit's full
+    elements: a transformer layer gathered for its forward / backward). Shapes from the model itself,
+    built on the meta device (no memory)."""
+    key = (repr(c), dp)
+    if key not in _FSDP_CACHE:
+        with torch.device("meta"):
+            model = MoETransformer(c)
+        units = list(model.layers) + list(getattr(model, "mtp", None) or [])
+        local = sum(-(-p.shape[0] // dp) * (p.numel() // max(1, p.shape[0])) if p.dim() else 1
+                    for p in model.parameters() if p.requires_grad)
+        largest = max((sum(p.numel() for p in u.parameters()) for u in units), default=0)
+        _FSDP_CACHE[key] = (local, largest)
+    return _FSDP_CACHE[key]
 
 
 # ------------------------------------------------------------------------------ activations
@@ -153,33 +179,120 @@ def _scale(name: str, nbytes: int, tp: int, sp: bool) -> float:
     return nbytes
 
 
-def layer_bytes(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype: torch.dtype,
-                device: str) -> int:
-    """One micro-batch of decoder layer `layer_idx` on one rank (balanced routing), with the rotary tables."""
+# Terms whose bytes scale with the routed rows (the imbalance headroom scales these).
+_ROW_TERMS = ("expert", "permute token index", "row weights slot index", "received rows", "tp combine")
+# moetron's CUDA path: the Triton unpermute keeps no expert output when the gate weights are applied in the
+# experts (dispatch/permute.py `_FusedUnpermute`), the Triton weighted SwiGLU keeps gate_up and the weights
+# only (kernels/fused_swiglu.py); the CPU formula's torch-reference terms that the GPU path does not save:
+_NOT_ON_GPU = ("expert output", "expert silu(gate)", "expert act")
+# FP8 linears save their input quantised (precision/fp8_matmul.py `_FP8Linear` / `_FP8GroupedLinear`):
+# the inputs that only a linear layer saves then cost one byte (+ one fp32 scale per 128 under blockwise).
+_FP8_LINEAR_INPUTS = ("expert input", "q latent", "kv latent", "expert weighted act", "mlp act",
+                      "shared experts act")
+FP8_BYTES = 1 + 4 / 128
+
+
+def layer_terms(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype: torch.dtype, device: str,
+                fp8: bool = False, fp8_cache: bool = False) -> dict[str, float]:
+    """One micro-batch of decoder layer `layer_idx` on one rank (balanced routing), term by term, with the
+    rotary tables. `fp8`: FP8 linear layers (their inputs saved quantised); `fp8_cache`: DeepSeek-V3's
+    low-precision storage on top (docs/planning.md): the SwiGLU input and the attention output cached in
+    FP8 / E5M6, routed rows received expert-major in FP8 (DeepEP) without a regroup copy."""
     tp, sp = cand.tp, cand.sp and cand.tp > 1
     S = seq // cand.cp
+    b = torch.finfo(dtype).bits // 8
     rows = cand.mbs * S * c.top_k // tp  # the routed experts see this rank's tokens
     modules = () if cand.full_recompute else cand.recompute
     terms = layer_activation_bytes(c, layer_idx, cand.mbs, S, rows, modules=modules,
                                    every_n_layers=1 if cand.full_recompute else 0, dtype=dtype, device=device).terms
-    total = int(sum(_scale(n, v, tp, sp) for n, v in terms.items()))
-    if cand.ep > 1 and c.is_moe_layer(layer_idx) and not cand.full_recompute and "moe" not in modules:
+    out = {n: _scale(n, v, tp, sp) for n, v in terms.items()}
+    if tp > 1 and not cand.full_recompute:
+        _tensor_parallel_terms(out, terms, c, layer_idx, cand, S, b, sp, modules)
+    if device == "cuda":
+        for name in _NOT_ON_GPU:
+            out.pop(name, None)
+    if fp8:
+        for name in _FP8_LINEAR_INPUTS:
+            if name in out:
+                out[name] = out[name] * FP8_BYTES / b
+        if fp8_cache:
+            for name, nbytes in (("expert gate_up", FP8_BYTES), ("o_proj input", 1.5)):
+                if name in out:
+                    out[name] = out[name] * nbytes / b
+    if cand.ep > 1 and tp == 1 and c.is_moe_layer(layer_idx) and not cand.full_recompute and "moe" not in modules \
+            and not (fp8 and fp8_cache):
         # the all-to-all path regroups the received rows expert-major (dispatch/alltoall.py): the received
-        # rows and the regroup's two indices are held too (measured: tests/test_plan.py)
-        total += rows * (c.hidden_size * torch.finfo(dtype).bits // 8 + 16)
-        if "moe_act" in modules:  # measured, cause not traced yet: one more row of H on this path
-            total += rows * c.hidden_size * torch.finfo(dtype).bits // 8
-    return total
+        # rows and the regroup's two indices are held too (measured: tests/test_plan.py); under TP the
+        # same bytes are the "tp combine" term
+        out["received rows"] = rows * (c.hidden_size * b + 16)
+    return out
+
+
+def _tensor_parallel_terms(out: dict, terms: dict, c: ModelConfig, layer_idx: int, cand: Candidate, S: int, b: int,
+                           sp: bool, modules) -> None:
+    """What tensor parallelism saves beyond splitting the one-process terms (measured: tests/test_plan.py).
+    Under sequence parallel a column-parallel linear saves the all-gathered input (the whole sequence);
+    with a micro-batch of several sequences the gathered [B, S, H] is not contiguous and each linear
+    saves its own copy (parallel/tensor_parallel.py `column_parallel_forward`). The MoE layer routes
+    the group's tokens and keeps, beyond the one-process terms, one more [rows, H] and two indices per
+    row, and the local routing mask (moe/tensor_parallel.py).""" 
+    tp, T, H = cand.tp, cand.mbs * S, c.hidden_size
+    full = T * H * b
+    if sp:
+        copies = (lambda n: n) if cand.mbs > 1 else (lambda n: 1)
+        up_region = "mla_up_proj" in modules
+        if "attn norm output" in out:
+            if c.attention_type == "gqa":  # q, k, v on the gathered input
+                out["attn norm output"] = full * copies(3)
+            elif c.q_lora_rank is None:  # q_proj on the gathered input, kv_a on the shard
+                out["attn norm output"] += full
+            else:  # q_a and kv_a on the shard, each its own copy
+                out["attn norm output"] *= copies(2)
+        if "q latent" in out and not up_region:  # q_b_proj gathers the latent (inside the region otherwise)
+            out["q latent"] = terms["q latent"]
+        if up_region and c.attention_type == "mla":  # the gathered [latent, rope key] and the rope key
+            out["rotated shared key"] = out.get("rotated shared key", 0) + T * c.qk_rope_head_dim * b
+        moe = c.is_moe_layer(layer_idx)
+        if "mlp norm output" in out:
+            if not moe:  # gate and up on the gathered input
+                out["mlp norm output"] = full * copies(2)
+            else:  # shared experts' gate and up on the gathered input; in fp32 the router keeps it too
+                out["mlp norm output"] = (full * copies(2) if c.moe_config().shared_expert_ffn_size else 0) + \
+                    (full if b == 4 else 0)
+    if c.is_moe_layer(layer_idx) and "moe" not in modules:  # measured; the local routing's mask
+        rows = T * c.top_k // tp
+        out["tp combine"] = rows * (H * b + 16) + T // tp * c.top_k
+
+
+def layer_bytes(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype: torch.dtype,
+                device: str, fp8: bool = False, fp8_cache: bool = False) -> int:
+    """One micro-batch of decoder layer `layer_idx` on one rank: the sum of `layer_terms`."""
+    return int(sum(layer_terms(c, layer_idx, cand, seq, dtype, device, fp8, fp8_cache).values()))
+
+
+def routed_row_bytes(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype: torch.dtype,
+                     device: str, fp8: bool = False, fp8_cache: bool = False) -> int:
+    """The part of `layer_bytes` that grows with the rows the rank's experts receive."""
+    terms = layer_terms(c, layer_idx, cand, seq, dtype, device, fp8, fp8_cache)
+    return int(sum(v for n, v in terms.items() if n.startswith(_ROW_TERMS)))
+
+
+def _norm_bytes(T: int, H: int, b: int) -> int:
+    """RMSNorm: fp32 input, 1/rms, and (below fp32) the normalised copy the weight's multiply saves; in fp32
+    ops/functional.py's Function saves the input and 1/rms only."""
+    return T * H * 4 + T * 4 + (T * H * b if b != 4 else 0)
 
 
 def _head_bytes(c: ModelConfig, T: int, b: int, tp: int, sp_div: int) -> int:
-    """Final norm (fp32 input, rstd, normalised), the head's input, fp32 logits, the loss, the labels."""
+    """Final norm (fp32 input, rstd, normalised), the head's input, fp32 logits, the loss, the labels;
+    under TP the head saves its gathered input and the vocab-parallel loss two masks."""
     H = c.hidden_size
-    return (T * H * 4 + T * 4 + 2 * T * H * b) // sp_div + T * (c.vocab_size // tp) * 4 + 4 + T * 8
+    total = _norm_bytes(T, H, b) // sp_div + T * (c.vocab_size // tp) * 4 + 4 + T * 8
+    return total + (T * H * b + 2 * T if tp > 1 else T * H * b)
 
 
 def stage_activation_bytes(c: ModelConfig, stage: PipelineStage | None, cand: Candidate, seq: int, dtype: str,
-                           device: str = "cuda") -> int:
+                           device: str = "cuda", fp8: bool = False, fp8_cache: bool = False) -> int:
     """Bytes one micro-batch of `stage` (the whole model when None) keeps for backward on one rank: its
     layers (rotary tables once), the embedding's indices, the loss head and the MTP modules' extras."""
     tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
@@ -191,48 +304,55 @@ def stage_activation_bytes(c: ModelConfig, stage: PipelineStage | None, cand: Ca
         embedding, loss = True, True
     else:
         layers, mtp, embedding, loss = stage.decoder_layers, stage.mtp_layers, stage.has_embedding, stage.has_loss
-    total = sum(layer_bytes(c, i, cand, seq, tdtype, device) for i in layers)
-    total += sum(layer_bytes(c, c.num_layers + j, cand, seq, tdtype, device) for j in mtp)
+    total = sum(layer_bytes(c, i, cand, seq, tdtype, device, fp8, fp8_cache) for i in layers)
+    total += sum(layer_bytes(c, c.num_layers + j, cand, seq, tdtype, device, fp8, fp8_cache) for j in mtp)
     n_rope = len(layers) + len(mtp)
     if n_rope > 1:  # cos and sin are one storage shared by every layer of the stage
         total -= (n_rope - 1) * 2 * seq // cand.cp * c.rope_dim * b
     if embedding:
-        total += T * 8
+        total += T * 8 + (T if cand.tp > 1 else 0)  # ids (and the vocab-parallel embedding's mask)
     if loss:
         total += _head_bytes(c, T, b, cand.tp, sp_div)
     H = c.hidden_size
-    norm = (T * H * 4 + T * 4 + T * H * b) // sp_div
+    norm = _norm_bytes(T, H, b) // sp_div
     for _ in mtp:  # future ids, enorm, hnorm, eh_proj's input, the final norm (pipeline/stage.py `_mtp_piece`)
         total += T * 8 + 3 * norm + T * 2 * H * b // sp_div
     if loss:  # the loss stage runs every MTP module's head and loss on its normed output, shifted labels
-        total += c.num_mtp_layers * (T * H * b // sp_div + T * (c.vocab_size // cand.tp) * 4 + 4 + T * 8)
+        masks = 2 * T if cand.tp > 1 else 0  # the head's input is gathered under SP (as the main head's)
+        total += c.num_mtp_layers * (T * H * b + masks + T * (c.vocab_size // cand.tp) * 4 + 4 + T * 8)
     if mtp and loss and b == 4:  # in fp32 the first hnorm's input is the final norm's input itself
         total -= T * H * 4 // sp_div
     return int(total)
 
 
-def comm_buffer_bytes(c: ModelConfig, cand: Candidate, seq: int, dtype: str, fp8: bool) -> int:
+def comm_buffer_bytes(c: ModelConfig, cand: Candidate, seq: int, dtype: str, fp8: bool, gpus: int = 1,
+                      state_numel: int = 0) -> int:
     """Dispatcher and communication buffers on one rank: the permuted rows and their all-to-all receive
-    buffer, twice (dispatch and combine), plus the TP all-gather of one layer's input under SP."""
+    buffer, twice (dispatch and combine), plus the TP all-gather of one layer's input under SP; ZeRO-2's
+    transient full-size buckets (the one collecting and MAX_IN_FLIGHT reduce-scattering, parallel/zero.py);
+    ZeRO-3's gathered layers (the one running and the one prefetched, in the compute dtype)."""
     b = 4 if dtype == "fp32" else 2
     T = cand.mbs * seq // cand.cp
     rows = T * c.top_k // cand.tp
     dispatch = rows * c.hidden_size * (1 if fp8 else b) * (2 if cand.ep > 1 else 0)
     combine = rows * c.hidden_size * b * (2 if cand.ep > 1 else 1)
     gather = T * c.hidden_size * b if cand.tp > 1 else 0
-    return dispatch + combine + gather
+    zero = 0
+    if cand.zero_stage == 2:
+        zero = (MAX_IN_FLIGHT + 1) * 4 * min(default_bucket_size(cand.dp(gpus) * cand.cp), state_numel)
+    elif cand.zero_stage == 3:
+        zero = 2 * b * fsdp_shard_numel(c, cand.dp(gpus))[1]
+    return dispatch + combine + gather + zero
 
 
 def imbalance_headroom(c: ModelConfig, cand: Candidate, seq: int, dtype: str, in_flight: int,
-                       moe_layers: int, factor: float) -> int:
-    """Extra routed rows when the busiest rank receives `factor` x its share: the per-row activations of
-    the expert block (input, gate_up, activation, output) over the rank's in-flight MoE layers."""
-    b = 4 if dtype == "fp32" else 2
-    T = cand.mbs * seq // cand.cp
-    rows = T * c.top_k // cand.tp
-    F = c.moe_intermediate_size // cand.etp
-    acts = 0 if "moe_act" in cand.recompute else 2 * F
-    per_row = c.hidden_size * b * 3 + (2 * F + acts) * b + 16 + b
-    if cand.full_recompute or "moe" in cand.recompute:
-        per_row = 0
-    return int(math.ceil((factor - 1.0) * rows * per_row * moe_layers * in_flight))
+                       moe_layers: int, factor: float, device: str = "cuda", fp8: bool = False,
+                       fp8_cache: bool = False) -> int:
+    """Extra routed rows when the busiest rank receives `factor` x its share: the row-proportional terms of
+    one MoE layer (expert input, gate_up, activation, received rows, indices) over the in-flight MoE layers."""
+    layer = next((j for j in range(c.num_layers) if c.is_moe_layer(j)), None)
+    if layer is None:
+        return 0
+    per_layer = routed_row_bytes(c, layer, cand, seq, torch.float32 if dtype == "fp32" else torch.bfloat16,
+                                 device, fp8, fp8_cache)
+    return int(math.ceil((factor - 1.0) * per_layer * moe_layers * in_flight))

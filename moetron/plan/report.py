@@ -7,7 +7,7 @@ import json
 from moetron.plan.memory import GiB
 from moetron.plan.search import Evaluation, PlanInputs
 
-MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "buffers", "imbalance")
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "fp8 weights", "buffers", "imbalance")
 TIME_PARTS = ("compute", "recompute", "tp comm", "cp comm", "ep comm", "ep hidden", "pp bubble+p2p", "dp comm",
               "optimizer")
 
@@ -21,14 +21,17 @@ def header(inputs: PlanInputs, name: str) -> str:
 
 
 def table(evals: list[Evaluation]) -> str:
+    w = max([9] + [len(e.cand.recompute_label) for e in evals])
     head = (f"{'#':>2} {'tp':>2} {'cp':>2} {'ep':>3} {'etp':>3} {'pp':>3} {'vpp':>3} {'schedule':<11} {'mbs':>3} "
-            f"{'m':>4} {'recompute':<30} {'GiB':>6} {'step s':>7} {'tok/s/GPU':>9} {'TFLOPS':>6} {'MFU':>5}")
+            f"{'m':>4} {'recompute':<{w}} {'zero':>4} {'cp comm':<9} {'GiB':>6} {'step s':>7} {'tok/s/GPU':>9} "
+            f"{'TFLOPS':>6} {'MFU':>5}")
     rows = [head]
     for n, e in enumerate(evals, 1):
         c = e.cand
         vpp = c.chunks if c.schedule in ("interleaved", "dualpipev") and c.pp > 1 else 1
         rows.append(f"{n:>2} {c.tp:>2} {c.cp:>2} {c.ep:>3} {c.etp:>3} {c.pp:>3} {vpp:>3} {c.schedule:<11} "
-                    f"{c.mbs:>3} {e.microbatches:>4} {c.recompute_label:<30} {e.memory_total / GiB:>6.1f} "
+                    f"{c.mbs:>3} {e.microbatches:>4} {c.recompute_label:<{w}} {c.zero_stage:>4} "
+                    f"{c.cp_comm_type if c.cp > 1 else '-':<9} {e.memory_total / GiB:>6.1f} "
                     f"{e.step_s:>7.2f} {e.tokens_per_s_gpu:>9.0f} {e.tflops:>6.0f} {e.mfu:>5.1%}")
     return "\n".join(rows)
 
@@ -55,7 +58,8 @@ def to_json(inputs: PlanInputs, name: str, evals: list[Evaluation], pruned: dict
         c = e.cand
         return {"tp": c.tp, "cp": c.cp, "ep": c.ep, "etp": c.etp, "pp": c.pp, "vpp": c.chunks,
                 "dp": c.dp(inputs.gpus), "schedule": c.schedule, "mbs": c.mbs, "microbatches": e.microbatches,
-                "recompute": c.recompute_label, "fb_overlap": c.fb_overlap, "pipeline_layout": e.layout,
+                "recompute": c.recompute_label, "fb_overlap": c.fb_overlap, "zero_stage": c.zero_stage,
+                "cp_comm_type": c.cp_comm_type, "pipeline_layout": e.layout,
                 "memory_bytes": {k: int(v) for k, v in e.memory.items()}, "time_s": e.time,
                 "tokens_per_s_gpu": e.tokens_per_s_gpu, "tflops": e.tflops, "mfu": e.mfu}
 

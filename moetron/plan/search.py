@@ -16,15 +16,13 @@ from moetron.model.size import training_flops_per_token
 from moetron.pipeline.layout import balanced_layout, item_costs, parse_layout
 from moetron.pipeline.schedules import build_schedule
 from moetron.pipeline.simulator import simulate
-from moetron.plan.candidate import Candidate
-from moetron.plan.cost import LATENCY_S, Setting, StageTime, group_link, head_time, layer_time
+from moetron.plan.staged import staged_run
+from moetron.plan.candidate import CP_COMM_TYPES, SCHEDULES, Candidate, Pruned
+from moetron.plan.comm import check_zero_and_cp, dp_exposed
+from moetron.plan.cost import LATENCY_S, OVERLAP_SM_SHARE, Setting, StageTime, group_link, head_time, layer_time
 from moetron.plan.gpus import GPU
-from moetron.plan.memory import (GiB, comm_buffer_bytes, imbalance_headroom, rank_state,
+from moetron.plan.memory import (GiB, comm_buffer_bytes, imbalance_headroom, layer_param_counts, rank_state,
                                  stage_activation_bytes)
-
-
-class Pruned(ValueError):
-    """A layout that cannot run; the message is the reason."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +38,19 @@ class PlanInputs:
     device: str = "cuda"
     reserve_gib: float = 4.0  # CUDA context, allocator fragmentation, NCCL: never available to tensors
     imbalance: float = 1.1  # the busiest rank receives this x its share of routed rows (headroom)
-    moetron_only: bool = True  # prune what moetron's trainer cannot run yet (FP8 with TP, CP with MTP)
+    moetron_only: bool = True  # prune what moetron's trainer cannot run yet (CP with MTP)
+    # FP8 storage assumptions (docs/planning.md). moetron's own: linear inputs saved in FP8, one FP8 copy of
+    # each weight per step (per micro-batch under delayed scaling). fp8_weight_cache: once per step under
+    # delayed scaling too (Transformer Engine's first-micro-batch cache). fp8_cache: DeepSeek-V3's
+    # low-precision activation storage (technical report section 3.3): SwiGLU input and attention output
+    # in FP8 / E5M6, routed rows received expert-major in FP8 with no regroup copy.
+    fp8_weight_cache: bool = False
+    fp8_cache: bool = False
+    # the search space (`--schedules`, `--no-fb-overlap`, `--zero-stages`): e.g. what another framework offers
+    schedules: tuple[str, ...] = SCHEDULES
+    fb_overlap: bool = True  # the search may hide the EP all-to-all behind the paired micro-batch (DualPipeV)
+    zero_stages: tuple[int, ...] = (1, 2, 3)
+    dispatcher: str = "alltoall"  # parallel.dispatcher: alltoall (moetron's default) or flex (DeepEP)
 
 
 @dataclass
@@ -76,7 +86,7 @@ class Planner:
         self.i = inputs
         c = inputs.config
         self.setting = Setting(inputs.seq, inputs.dtype, bool(inputs.fp8), inputs.gpu, inputs.per_node,
-                               inputs.device)
+                               inputs.device, inputs.dispatcher)
         self.capacity = inputs.gpu.memory_gib * GiB - inputs.reserve_gib * GiB
         self.flops_per_token = training_flops_per_token(c, inputs.seq)
         self._costs = item_costs(c, inputs.seq)
@@ -86,6 +96,7 @@ class Planner:
         self._layer_times: dict = {}
         self._peaks: dict = {}
         self._act_peaks: dict = {}
+        self._headroom: dict = {}
         self.pruned: Counter = Counter()
 
     # --- structure --------------------------------------------------------------------------------
@@ -119,11 +130,10 @@ class Planner:
             raise Pruned(f"tp={tp} does not divide the per-cp-rank sequence {i.seq // cp} (sequence parallel)")
         if i.moetron_only and cp > 1 and c.num_mtp_layers:
             raise Pruned("cp>1 with MTP: moetron's context parallel does not shift MTP labels yet")
-        if i.moetron_only and i.fp8 and tp > 1:
-            raise Pruned("fp8 with tp>1: moetron has no tensor-parallel FP8 linear layers yet")
         if pp * cand.chunks > c.num_layers + c.num_mtp_layers + 2:
             raise Pruned(f"pp*chunks = {pp * cand.chunks} stages for {c.num_layers} layers")
         dp = cand.dp(i.gpus)
+        check_zero_and_cp(c, cand, dp, i.per_node)
         if i.global_batch % (dp * cand.mbs):
             raise Pruned(f"global batch {i.global_batch} is not a multiple of dp*mbs = {dp}*{cand.mbs}")
         m = i.global_batch // (dp * cand.mbs)
@@ -174,7 +184,7 @@ class Planner:
 
     # --- memory -------------------------------------------------------------------------------------
     def state(self, cand: Candidate):
-        key = (cand.tp, cand.cp, cand.ep, cand.etp, cand.pp, cand.chunks, cand.schedule)
+        key = (cand.tp, cand.cp, cand.ep, cand.etp, cand.pp, cand.chunks, cand.schedule, cand.zero_stage)
         if key not in self._states:
             c, i = self.i.config, self.i
             stages = self.layout(cand)[1] if cand.pp > 1 else [[]]
@@ -186,8 +196,23 @@ class Planner:
         key = (cand.tp, cand.cp, cand.mbs, cand.recompute, cand.full_recompute, cand.sp, index)
         if key not in self._acts:
             self._acts[key] = stage_activation_bytes(self.i.config, stage, cand, self.i.seq, self.i.dtype,
-                                                     self.i.device)
+                                                     self.i.device, bool(self.i.fp8), self.i.fp8_cache)
         return self._acts[key]
+
+    def _per_microbatch_weights(self) -> bool:
+        # moetron quantises each weight once per step under current scaling (cache_fp8_weights); delayed
+        # scaling re-quantises per micro-batch
+        return self.i.fp8 == "delayed" and not self.i.fp8_weight_cache
+
+    def fp8_weights(self, cand: Candidate, stage) -> int:
+        """moetron's FP8 linears save the quantised weight for the input-gradient GEMM: one byte per GEMM
+        weight of the chunk, held per micro-batch in flight (precision/fp8_matmul.py)."""
+        if not self._per_microbatch_weights():
+            return 0
+        c = self.i.config
+        layers = list(stage.decoder_layers) if stage is not None else list(range(c.num_layers))
+        layers += [c.num_layers + j for j in (stage.mtp_layers if stage is not None else range(c.num_mtp_layers))]
+        return sum(sum(layer_param_counts(c, j, cand.tp, cand.ep, cand.etp)) for j in layers)
 
     def memory(self, cand: Candidate, m: int) -> dict[str, float]:
         """Bytes on the fullest PP rank, by part."""
@@ -195,22 +220,33 @@ class Planner:
         states, vectors = self.state(cand), self.inflight(cand, m)
         stages = self.layout(cand)[1] if cand.pp > 1 else [[None]]
         extra = 1 if cand.fb_overlap and cand.schedule != "dualpipev" else 0
-        buffers = comm_buffer_bytes(c, cand, i.seq, i.dtype, bool(i.fp8))
+        numel = max(s.dense_numel + s.expert_numel for s in states)
+        buffers = comm_buffer_bytes(c, cand, i.seq, i.dtype, bool(i.fp8), i.gpus, numel)
+        by_ep = (cand.ep, cand.etp) if self._per_microbatch_weights() else None
         key = (cand.schedule, cand.pp, cand.chunks, self._sim_m(cand, m), extra, cand.tp, cand.cp, cand.mbs,
-               cand.recompute, cand.full_recompute, cand.sp)
+               cand.recompute, cand.full_recompute, cand.sp, by_ep)
         if key not in self._act_peaks:  # activations do not depend on ep / etp: shared by those layouts
             peaks = []
             for rank_stages, rank_vectors in zip(stages, vectors):
                 acts = [self.activation(cand, s) for s in rank_stages]
+                weights = [self.fp8_weights(cand, s) for s in rank_stages]
                 moes = [self._moe_count(s) for s in rank_stages]
-                peaks.append(max((sum(n * a for n, a in zip(v, acts)) + extra * max(acts),
-                                  sum(n * k for n, k in zip(v, moes)) + extra * max(moes)) for v in rank_vectors))
+                options = []
+                for v in rank_vectors:
+                    a = sum(n * x for n, x in zip(v, acts)) + extra * max(acts)
+                    w = sum(n * x for n, x in zip(v, weights)) + extra * max(weights)
+                    options.append((a + w, a, w, sum(n * k for n, k in zip(v, moes)) + extra * max(moes)))
+                peaks.append(max(options)[1:])
             self._act_peaks[key] = peaks
+        hkey = (cand.tp, cand.cp, cand.ep, cand.mbs, cand.recompute, cand.full_recompute, cand.sp)
+        if hkey not in self._headroom:  # per in-flight MoE layer
+            self._headroom[hkey] = imbalance_headroom(c, cand, i.seq, i.dtype, 1, 1, i.imbalance, i.device,
+                                                      bool(i.fp8), i.fp8_cache)
         best = None
-        for st, (act, moe) in zip(states, self._act_peaks[key]):
+        for st, (act, w8, moe) in zip(states, self._act_peaks[key]):
             parts = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": act,
-                     "buffers": buffers,
-                     "imbalance": imbalance_headroom(c, cand, i.seq, i.dtype, 1, moe, i.imbalance)}
+                     "fp8 weights": w8, "buffers": buffers,
+                     "imbalance": self._headroom[hkey] * moe}
             if best is None or sum(parts.values()) > sum(best.values()):
                 best = parts
         return best
@@ -219,7 +255,8 @@ class Planner:
     def layer(self, cand: Candidate, idx: int) -> StageTime:
         c = self.i.config
         moe = c.is_moe_layer(idx)
-        key = (moe, cand.tp, cand.cp, cand.ep, cand.etp, cand.mbs, cand.recompute, cand.full_recompute, cand.sp)
+        key = (moe, cand.tp, cand.cp, cand.ep, cand.etp, cand.mbs, cand.recompute, cand.full_recompute, cand.sp,
+               cand.cp_comm_type)
         if key not in self._layer_times:
             self._layer_times[key] = layer_time(c, moe, idx, cand, self.setting)
         return self._layer_times[key]
@@ -253,12 +290,14 @@ class Planner:
         if cand.fb_overlap and cand.ep > 1:
             if cand.schedule == "dualpipev" and cand.pp > 1:
                 comp = F + B + W - 2 * slow.ep_fwd
-                pair = max(comp, 2 * slow.ep_fwd) + 0.0
+                overlapped = min(comp, 2 * slow.ep_fwd)  # comm running beside compute, on SMs it takes
+                pair = max(comp, 2 * slow.ep_fwd) + overlapped * OVERLAP_SM_SHARE
                 hidden_ep = F + B + W - pair
             else:
                 h = max(0.0, (m - cand.pp * cand.chunks) / m)
-                hidden_ep = 2 * slow.ep_fwd * h
-                F, B = F - slow.ep_fwd * h, B - slow.ep_fwd * h
+                kept = 1 - OVERLAP_SM_SHARE  # the overlapped comm's kernels take SMs from the compute
+                hidden_ep = 2 * slow.ep_fwd * h * kept
+                F, B = F - slow.ep_fwd * h * kept, B - slow.ep_fwd * h * kept
         dp = cand.dp(i.gpus)
         b = 4 if i.dtype == "fp32" else 2
         p2p = 0.0
@@ -266,10 +305,12 @@ class Planner:
             T = cand.mbs * i.seq // cand.cp // (cand.tp if cand.sp and cand.tp > 1 else 1)
             p2p = T * i.config.hidden_size * b / group_link(cand.pp, cand.tp * cand.cp * dp, i.per_node, i.gpu) \
                 + LATENCY_S
+        busy = m * sum((t.F + t.B + t.W) for t in chunks) / len(chunks) * cand.chunks
         if cand.pp == 1:
             makespan = m * (F + B + W)
         elif simulated:
-            makespan = self._simulated_makespan(cand, m, F, B, W, p2p, pair)
+            makespan, hidden = self._staged_makespan(cand, m, p2p)
+            hidden_ep = hidden / (m * cand.chunks * cand.pp)  # staged_run sums over the pp ranks
         else:
             unit = F + B + W
             n = m * cand.chunks
@@ -290,34 +331,37 @@ class Planner:
             / expert_link
         gather = worst.dense_numel * pbytes * (g_d - 1) / g_d / dense_link + worst.expert_numel * pbytes * \
             (g_e - 1) / g_e / expert_link
-        dp_exposed = max(0.0, reduce - (B + W) * cand.chunks) + max(0.0, gather - F * cand.chunks)
+        dp_time = dp_exposed(cand.zero_stage, m, cand.chunks, F, B, W, reduce, gather)
         optimizer = worst.optimizer / 12 * 32 / (i.gpu.hbm_tbps * 1e12)
-        busy = m * sum((t.F + t.B + t.W) for t in chunks) / len(chunks) * cand.chunks
-        compute = busy - m * cand.chunks * (slow.comm["tp"] + slow.comm["cp"] + slow.comm["ep"])
-        return {"compute": compute, "recompute": m * cand.chunks * slow.recompute,
-                "tp comm": m * cand.chunks * slow.comm["tp"], "cp comm": m * cand.chunks * slow.comm["cp"],
-                "ep comm": m * cand.chunks * slow.comm["ep"], "ep hidden": -m * cand.chunks * hidden_ep,
+        mean = {k: m * cand.chunks * sum(t.comm[k] for t in chunks) / len(chunks) for k in ("tp", "cp", "ep")}
+        compute = busy - sum(mean.values())
+        return {"compute": compute, "recompute": m * cand.chunks * sum(t.recompute for t in chunks) / len(chunks),
+                "tp comm": mean["tp"], "cp comm": mean["cp"], "ep comm": mean["ep"],
+                "ep hidden": -m * cand.chunks * hidden_ep,
                 "pp bubble+p2p": makespan - (busy - m * cand.chunks * hidden_ep),
-                "dp comm": dp_exposed, "optimizer": optimizer, "step": makespan + dp_exposed + optimizer}
+                "dp comm": dp_time, "optimizer": optimizer, "step": makespan + dp_time + optimizer}
 
-    def _simulated_makespan(self, cand: Candidate, m: int, F: float, B: float, W: float, p2p: float,
-                            pair: float | None) -> float:
-        """The simulator's makespan for these stage costs. Past the steady state a schedule repeats with a
-        fixed period, so two runs at a few micro-batches extrapolate linearly to `m` (exact once periodic)."""
-        zb = cand.schedule == "zb1p"
+    def _staged_makespan(self, cand: Candidate, m: int, p2p: float) -> tuple[float, float]:
+        """(makespan, hidden EP time) of the runtime's schedule with each stage's own costs (plan/staged.py).
+        Past the steady state a schedule repeats with a fixed period, so two runs at a few micro-batches
+        extrapolate linearly to `m` (exact once periodic)."""
+        c = self.i.config
+        stages = [s for st in self.layout(cand)[1] for s in st]
+        costs = dict(zip((s.index for s in stages), self.chunk_times(cand)))
+        vpp = cand.vpp if cand.schedule == "interleaved" else None
+        overlap = cand.fb_overlap and cand.ep > 1 and any(c.is_moe_layer(j) for j in range(c.num_layers))
 
-        def run(n: int) -> float:
-            return simulate(cand.schedule, pp=cand.pp, microbatches=n,
-                            vpp=cand.vpp if cand.schedule == "interleaved" else None, F=F,
-                            B=B if zb else B + W, W=W if zb else None, comm=p2p, FB=pair).makespan
+        def run(n: int) -> tuple[float, float]:
+            return staged_run(cand.schedule, cand.pp, n, vpp, costs, p2p, overlap)
 
         m1 = self._sim_m(cand, m)
         if m1 >= m:
             return run(m)
         step = 2 if cand.schedule == "dualpipev" else (cand.pp if cand.schedule == "interleaved" else 1)
         m2 = min(m, m1 + 2 * step)
-        a, b = run(m1), run(m2)
-        return a + (b - a) / (m2 - m1) * (m - m1)
+        (a, ha), (b, hb) = run(m1), run(m2)
+        scale = (m - m1) / (m2 - m1)
+        return a + (b - a) * scale, ha + (hb - ha) * scale
 
     # --- one layout, and the search ------------------------------------------------------------------
     def evaluate(self, cand: Candidate, simulated: bool = True, check_memory: bool = True) -> Evaluation:
@@ -339,32 +383,43 @@ class Planner:
         cps = [1] + ([2, 4, 8] if i.seq >= 8192 else [])
         pps = [p for p in divs if p <= c.num_layers + c.num_mtp_layers]
         eps = [e for e in divs if c.num_experts % e == 0]
+        allowed = i.schedules
         for tp in tps:
             for cp in cps:
-                for pp in pps:
-                    schedules = [("1f1b", 1)] if pp == 1 else \
-                        [("1f1b", 1), ("zb1p", 1), ("dualpipev", 1)] + [("interleaved", v) for v in (2, 4)]
-                    for ep in eps:
-                        for etp in sorted({1, tp}):
-                            for sched, vpp in schedules:
-                                for mbs in (1, 2):
-                                    yield Candidate(tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, vpp=vpp, schedule=sched,
-                                                    mbs=mbs, fb_overlap=ep > 1)
+                for cp_comm in (CP_COMM_TYPES if cp > 1 else ("allgather",)):
+                    for pp in pps:
+                        schedules = [("1f1b", 1)] if pp == 1 else \
+                            [("1f1b", 1), ("zb1p", 1), ("dualpipev", 1)] + [("interleaved", v) for v in (2, 4)]
+                        schedules = [(s, v) for s, v in schedules if pp == 1 or s in allowed]
+                        for ep in eps:
+                            for etp in sorted({1, tp}):
+                                for sched, vpp in schedules:
+                                    for mbs in (1, 2):
+                                        yield Candidate(tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, vpp=vpp,
+                                                        schedule=sched, mbs=mbs, cp_comm_type=cp_comm,
+                                                        fb_overlap=i.fb_overlap and overlap_possible(ep, pp, sched))
 
-    def best_variant(self, cand: Candidate) -> Evaluation:
-        """The least recompute that fits (more recompute only adds time)."""
-        reasons = []
-        for option in RECOMPUTE_OPTIONS[self.i.config.family]:
-            trial = replace(cand, recompute=(), full_recompute=True) if option == "full" else \
-                replace(cand, recompute=tuple(option))
-            try:
-                return self.evaluate(trial, simulated=False)
-            except Pruned as exc:
-                reasons.append(str(exc))
-                if not str(exc).startswith("out of memory"):
+    def best_variant(self, cand: Candidate, zero_stages: tuple[int, ...] | None = None) -> Evaluation:
+        """Per ZeRO stage the least recompute that fits (more recompute only adds time); the fastest of those.
+        ZeRO-2 / 3 are tried only where the layout can use them (comm.py `check_zero_and_cp`)."""
+        reasons, found = [], []
+        for zero in (zero_stages or self.i.zero_stages):
+            if found and not (found[0].cand.recompute or found[0].cand.full_recompute):
+                break  # fits without recompute: sharding more only adds communication
+            for option in RECOMPUTE_OPTIONS[self.i.config.family]:
+                trial = replace(cand, recompute=() if option == "full" else tuple(option),
+                                full_recompute=option == "full", zero_stage=zero)
+                try:
+                    found.append(self.evaluate(trial, simulated=False))
                     break
-        raise Pruned(reasons[-1] if not reasons[-1].startswith("out of memory") else
-                     "out of memory even with full recompute")
+                except Pruned as exc:
+                    reasons.append(str(exc))
+                    if not str(exc).startswith("out of memory"):
+                        break
+        if found:
+            return max(found, key=lambda e: e.tokens_per_s_gpu)
+        oom = [r for r in reasons if r.startswith("out of memory")]
+        raise Pruned("out of memory even with full recompute" if oom else reasons[0])
 
     def search(self, top: int = 10, simulate_top: int = 40) -> list[Evaluation]:
         best: dict[tuple, Evaluation] = {}
@@ -380,7 +435,18 @@ class Planner:
                 best[key] = ev
         ranked = sorted(best.values(), key=lambda e: -e.tokens_per_s_gpu)[:max(simulate_top, top)]
         final = [self.evaluate(e.cand, simulated=True, check_memory=False) for e in ranked]
-        return sorted(final, key=lambda e: -e.tokens_per_s_gpu)[:top] if top else final
+        final.sort(key=lambda e: -e.tokens_per_s_gpu)
+        return final[:top] if top else final
+
+
+def overlap_possible(ep: int, pp: int, schedule: str) -> bool:
+    """Whether the search turns fb_overlap on: it pairs a forward with another micro-batch's backward,
+    which needs pp > 1 (parallel/config.py) and a full backward (ZB1P's split backward is left unpaired:
+    pipeline/overlap.py `pair_forward_backward`). Under 1f1b / interleaved that pairing holds each
+    forward's output until the paired backward ends, which delays the pipeline by more than the hidden
+    all-to-all saves (pipeline/simulator.py on the paired lists); the search keeps it for DualPipeV, whose
+    F&B pairs are the schedule's own. `--explain fb_overlap=1` evaluates it anywhere it can run."""
+    return ep > 1 and pp > 1 and schedule == "dualpipev"
 
 
 def _inflight_vectors(result) -> list[list[tuple[int, ...]]]:

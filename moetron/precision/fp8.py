@@ -268,12 +268,14 @@ def delayed_scale(history_LG: torch.Tensor, amax_G: torch.Tensor, recipe: FP8Rec
 
 
 def quantize_operand(x: torch.Tensor, role: str, recipe: FP8Recipe, history: torch.Tensor | None,
-                     rows_per_group: torch.Tensor | None = None) -> Quantized:
+                     rows_per_group: torch.Tensor | None = None, reduce_amax=None) -> Quantized:
     """Quantize a GEMM operand of `role` ("input", "weight", "grad_output") as `recipe` says.
 
     `x` is `[N,K]` for activations and gradients (rows grouped by `rows_per_group` in grouped
     GEMMs: one scale per group under tensorwise/delayed), `[O,K]` or `[E,O,K]` for weights.
-    `history` is the module's `[3, L, G]` amax history (delayed only).
+    `history` is the module's `[3, L, G]` amax history (delayed only). `reduce_amax(amax)`, when
+    given, MAX-reduces the tensorwise/delayed amaxes in place over the ranks holding other parts of
+    the same tensor (tensor parallel: docs/fp8.md), so every rank gets the whole tensor's scale.
     """
     dtype = recipe.grad_dtype if role == "grad_output" else recipe.forward_dtype
     p2 = recipe.power_of_two_scales
@@ -291,6 +293,8 @@ def quantize_operand(x: torch.Tensor, role: str, recipe: FP8Recipe, history: tor
     else:  # an empty tensor has amax 0
         amax = x.detach().abs().float().amax().reshape(1) if x.numel() else x.new_zeros(1, dtype=torch.float32)
         row_map = None
+    if reduce_amax is not None:
+        reduce_amax(amax)
     if recipe.scaling == "delayed":
         scale = delayed_scale(history[ROLES.index(role)], amax, recipe, dtype)
     else:

@@ -140,21 +140,27 @@ def fp8_grouped_wgrad(qdy: Quantized, qx: Quantized, rows_per_expert: torch.Tens
 # ---- the FP8 linear functions (autograd) -------------------------------------------------------
 
 
+def _reducer(reducers, role: str):
+    return None if reducers is None else reducers.get(role)
+
+
 class _FP8Linear(torch.autograd.Function):
     """y = x W^T (+ b) with the three GEMMs of a linear layer in FP8:
-    fprop Q(x)·Q(W)^T, dgrad Q(dy)·Q(W), wgrad Q'(dy)^T·Q'(x) (Q' = 128×1 tiles under blockwise)."""
+    fprop Q(x)·Q(W)^T, dgrad Q(dy)·Q(W), wgrad Q'(dy)^T·Q'(x) (Q' = 128×1 tiles under blockwise).
+    `reducers` (role -> amax reduction) and `qweight` (Q(W) given, e.g. gathered in FP8): fp8_linear."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, history, backend):
+    def forward(ctx, x, weight, bias, recipe, history, backend, reducers=None, qweight=None, qweight_dgrad=None):
         x2 = x.reshape(-1, x.shape[-1])
-        qx = quantize_operand(x2, "input", recipe, history)
-        qw = quantize_operand(weight, "weight", recipe, history)
+        qx = quantize_operand(x2, "input", recipe, history, reduce_amax=_reducer(reducers, "input"))
+        qw = qweight if qweight is not None else quantize_operand(weight, "weight", recipe, history,
+                                                                  reduce_amax=_reducer(reducers, "weight"))
         y = fp8_gemm(qx, qw, x.dtype, backend)
         if bias is not None:
             y = y + bias.to(y.dtype)
         qx_w = quantize_for_wgrad(x2, qx, "input", recipe) if ctx.needs_input_grad[1] else None
-        qw_d = quantize_weight_for_dgrad(weight, qw, recipe)
-        ctx.recipe, ctx.backend, ctx.history = recipe, backend, history
+        qw_d = qweight_dgrad if qweight_dgrad is not None else quantize_weight_for_dgrad(weight, qw, recipe)
+        ctx.recipe, ctx.backend, ctx.history, ctx.reducers = recipe, backend, history, reducers
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.shape, x.dtype, weight.dtype, bias is not None
         ctx.has_qx = qx_w is not None
         ctx.save_for_backward(*qw_d.tensors(), *(qx_w.tensors() if qx_w is not None else ()))
@@ -166,7 +172,8 @@ class _FP8Linear(torch.autograd.Function):
         qw = Quantized(*saved[:4])
         dy2 = dy.reshape(-1, dy.shape[-1])
         recipe, backend = ctx.recipe, ctx.backend
-        qdy = quantize_operand(dy2, "grad_output", recipe, ctx.history)
+        qdy = quantize_operand(dy2, "grad_output", recipe, ctx.history,
+                               reduce_amax=_reducer(ctx.reducers, "grad_output"))
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm(qdy, qw.t(), ctx.x_dtype, backend).view(ctx.x_shape)
@@ -176,15 +183,20 @@ class _FP8Linear(torch.autograd.Function):
             dw = fp8_gemm(qdy_w.t(), qx.t(), ctx.w_dtype, backend)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(dy.dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
-               history: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+               history: torch.Tensor | None = None, backend: str | None = None, *,
+               reducers: dict | None = None, qweight: Quantized | None = None,
+               qweight_dgrad: Quantized | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with FP8 GEMMs in forward and backward.
 
     `history` is the `[3, L, 1]` amax history (input, weight, grad_output) that delayed scaling
     reads and updates in place; `backend` overrides `recipe.backend` ('emulate', 'torch', 'auto').
+    `reducers`: role -> `reduce_amax` callable (fp8.quantize_operand; tensor parallel). `qweight`:
+    the weight already quantized as the recipe would (FP8 parameter all-gather, the per-step weight
+    cache); used as Q(W). `qweight_dgrad`: its input-gradient operand (quantize_weight_for_dgrad).
     """
     if recipe.scaling == "delayed" and history is None:
         raise ValueError("delayed FP8 scaling needs the module's amax history (history=...)")
@@ -192,20 +204,23 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if backend == "te":
         raise ValueError("fp8_linear runs the emulate/torch GEMMs; Transformer Engine runs as a module "
                          "(FP8Linear with backend 'te')")
-    return _FP8Linear.apply(x, weight, bias, recipe, history, backend)
+    return _FP8Linear.apply(x, weight, bias, recipe, history, backend, reducers, qweight, qweight_dgrad)
 
 
 class _FP8GroupedLinear(torch.autograd.Function):
     """`grouped_linear` with FP8 GEMMs: per-expert scales (tensorwise/delayed) or tiles (blockwise)."""
 
     @staticmethod
-    def forward(ctx, x, weight, rows_per_expert, recipe, history, backend, expert_backend):
-        qx = quantize_operand(x, "input", recipe, history, rows_per_expert)
-        qw = quantize_operand(weight, "weight", recipe, history)
+    def forward(ctx, x, weight, rows_per_expert, recipe, history, backend, expert_backend, reducers=None,
+                qweight=None, qweight_dgrad=None):
+        qx = quantize_operand(x, "input", recipe, history, rows_per_expert, _reducer(reducers, "input"))
+        qw = qweight if qweight is not None else quantize_operand(weight, "weight", recipe, history,
+                                                                  reduce_amax=_reducer(reducers, "weight"))
         y = fp8_grouped_gemm(qx, qw, rows_per_expert, x.dtype, backend, expert_backend)
         qx_w = quantize_for_wgrad(x, qx, "input", recipe, rows_per_expert)
-        qw_d = quantize_weight_for_dgrad(weight, qw, recipe)
+        qw_d = qweight_dgrad if qweight_dgrad is not None else quantize_weight_for_dgrad(weight, qw, recipe)
         ctx.recipe, ctx.backend, ctx.history, ctx.expert_backend = recipe, backend, history, expert_backend
+        ctx.reducers = reducers
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.save_for_backward(rows_per_expert, *qw_d.tensors(), *qx_w.tensors())
         return y
@@ -216,29 +231,32 @@ class _FP8GroupedLinear(torch.autograd.Function):
         rows, qw, qx = saved[0], Quantized(*saved[1:5]), Quantized(*saved[5:9])
         recipe, backend = ctx.recipe, ctx.backend
         dy = dy.contiguous()
-        qdy = quantize_operand(dy, "grad_output", recipe, ctx.history, rows)
+        qdy = quantize_operand(dy, "grad_output", recipe, ctx.history, rows, _reducer(ctx.reducers, "grad_output"))
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = fp8_grouped_gemm(qdy, qw.t(), rows, ctx.x_dtype, backend, ctx.expert_backend)
         if ctx.needs_input_grad[1]:
             qdy_w = quantize_for_wgrad(dy, qdy, "grad_output", recipe, rows)
             dw = fp8_grouped_wgrad(qdy_w, qx, rows, ctx.w_dtype, backend)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 def fp8_grouped_linear(x_NK: torch.Tensor, w_EOK: torch.Tensor, rows_per_expert: torch.Tensor,
                        recipe: FP8Recipe, history: torch.Tensor | None = None, backend: str | None = None,
-                       expert_backend: str = "auto") -> torch.Tensor:
+                       expert_backend: str = "auto", *, reducers: dict | None = None,
+                       qweight: Quantized | None = None, qweight_dgrad: Quantized | None = None) -> torch.Tensor:
     """`moetron.moe.grouped_gemm.grouped_linear` with FP8 GEMMs (forward and backward).
 
     `history` is the `[3, L, E]` amax history for delayed scaling (one column per local expert).
-    `expert_backend` is the high-precision grouped GEMM the emulation runs on."""
+    `expert_backend` is the high-precision grouped GEMM the emulation runs on. `reducers`, `qweight`:
+    as fp8_linear (expert-tensor-parallel ranks reduce the amaxes of their ffn slices)."""
     if recipe.scaling == "delayed" and history is None:
         raise ValueError("delayed FP8 scaling needs the module's amax history (history=...)")
     backend = backend or recipe.backend
     if x_NK.shape[0] == 0:  # keep both in the graph, as grouped_linear does
         return x_NK.new_zeros(0, w_EOK.shape[-2]) + 0 * (w_EOK.sum() + x_NK.sum())
-    return _FP8GroupedLinear.apply(x_NK, w_EOK, rows_per_expert, recipe, history, backend, expert_backend)
+    return _FP8GroupedLinear.apply(x_NK, w_EOK, rows_per_expert, recipe, history, backend, expert_backend,
+                                   reducers, qweight, qweight_dgrad)
 
 
 __all__ = ["check_backend", "fp8_gemm", "fp8_grouped_gemm", "fp8_grouped_linear", "fp8_grouped_wgrad", "fp8_linear"]

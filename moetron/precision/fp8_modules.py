@@ -9,21 +9,24 @@ Design notes: docs/fp8.md (`moetron/precision/fp8_modules.py`).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moetron import backends
 from moetron.moe.experts import GroupedExperts
 from moetron.moe.layer import MoELayer
 from moetron.ops import swiglu
-from moetron.precision.fp8 import ROLES, FP8Recipe, get_fp8_recipe
+from moetron.precision.fp8 import ROLES, FP8Recipe, Quantized, get_fp8_recipe, quantize_operand, quantize_weight_for_dgrad
 from moetron.precision.fp8_backend import choose_fp8_backend, probe_capabilities
 from moetron.precision.fp8_matmul import check_backend, fp8_grouped_linear, fp8_linear
 from moetron.precision.te_modules import te_experts_forward, te_linear_forward, te_shape_problem
+from moetron.parallel.state import Group, named_rank_groups
 from moetron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 HISTORY = "fp8_amax_history"
@@ -54,6 +57,10 @@ def _init_fp8(module: nn.Module, recipe: FP8Recipe, groups: int, device: torch.d
     module.fp8_recipe = recipe
     module.fp8_backend = backend
     module.fp8_amax_group = None  # TE's amax_reduction_group (apply_fp8's amax_group)
+    module.fp8_reducers = module.fp8_eval_reducers = None  # role -> amax reduction (set_fp8_reductions)
+    object.__setattr__(module, "_fp8_gathered", {})  # id(param) -> (param, version, Quantized): fp8_param_gather
+    object.__setattr__(module, "_fp8_weight_cache", {})  # (id(param), rows) -> Q(W) of the current weights
+    module.fp8_cache_weights = False  # inside cache_fp8_weights(): _weight_operands
     length = recipe.amax_history_len if recipe.scaling == "delayed" else 0
     module.register_buffer(HISTORY, torch.zeros(len(ROLES), length, groups, device=device), persistent=False)
     object.__setattr__(module, "_te_module", None)  # built on first use, outside the module tree
@@ -61,6 +68,108 @@ def _init_fp8(module: nn.Module, recipe: FP8Recipe, groups: int, device: torch.d
 
 def _history(module: nn.Module) -> torch.Tensor | None:
     return getattr(module, HISTORY) if module.fp8_recipe.scaling == "delayed" else None
+
+
+def _max_over(groups) -> object | None:
+    """An in-place MAX all-reduce of an amax tensor over each group (of size > 1) in turn."""
+    handles = [g.handle for g in groups if g is not None and g.size > 1]
+    if not handles:
+        return None
+
+    def reduce_amax(amax: torch.Tensor) -> None:
+        for handle in handles:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=handle)
+
+    return reduce_amax
+
+
+def set_fp8_reductions(module: nn.Module, groups_by_role: dict, training_only=()) -> None:
+    """Make `module`'s tensorwise/delayed scales agree over process groups: `groups_by_role` maps
+    "input" / "weight" / "grad_output" to the Groups whose ranks hold other parts of that operand
+    (their amaxes are MAX-reduced over each in turn). Groups in `training_only` (data parallel: its
+    ranks may run different numbers of evaluation forwards) are skipped in calls without autograd.
+    Design notes: docs/fp8.md ("Tensor parallel")."""
+    def build(skip):
+        reducers = {role: _max_over([g for g in groups_by_role.get(role, ()) if g not in skip]) for role in ROLES}
+        return {r: f for r, f in reducers.items() if f is not None} or None
+
+    module.fp8_reducers, module.fp8_eval_reducers = build(()), build(tuple(training_only))
+
+
+def _reducers(module: nn.Module) -> dict | None:
+    """The module's amax reductions for this call (decided outside the autograd functions)."""
+    return module.fp8_reducers if torch.is_grad_enabled() else module.fp8_eval_reducers
+
+
+def set_gathered_weight(module: nn.Module, param: torch.Tensor, q: Quantized) -> None:
+    """Use `q` as Q(param) in `module`'s FP8 GEMMs while `param` is unchanged (fp8_param_gather)."""
+    module._fp8_gathered[id(param)] = (param, param._version, q)
+
+
+def gathered_weight(module: nn.Module, param: torch.Tensor, rows: slice | None = None) -> Quantized | None:
+    """The FP8 weight set by set_gathered_weight (its `rows` only), None when absent or stale."""
+    hit = module._fp8_gathered.get(id(param))
+    if hit is None or hit[0] is not param or hit[1] != param._version:
+        return None
+    q = hit[2]
+    if rows is None:
+        return q
+    return Quantized(q.data[rows], q.scale, None if q.row_map is None else q.row_map[rows], q.col_map)
+
+
+@contextlib.contextmanager
+def cache_fp8_weights(model: nn.Module):
+    """Quantize each FP8 weight once for the forwards and backwards run inside (one training step's
+    micro-batches, whose weights do not change), as Transformer Engine's `is_first_microbatch`.
+
+    Wrap no optimizer step in it: optimizers write parameters in place (moetron's through views of
+    a flat buffer, which torch's version counters do not see), so the cache lives for the block only."""
+    modules = [m for m in model.modules() if hasattr(m, "_fp8_weight_cache")]
+    for m in modules:
+        m._fp8_weight_cache.clear()
+        m.fp8_cache_weights = m.fp8_recipe.scaling != "delayed"  # delayed: its history moves every call
+    try:
+        yield model
+    finally:
+        for m in modules:
+            m._fp8_weight_cache.clear()
+            m.fp8_cache_weights = False
+
+
+def _weight_operands(module: nn.Module, weight: torch.Tensor, param: torch.Tensor, rows: slice | None,
+                     history: torch.Tensor | None) -> tuple[Quantized | None, Quantized | None]:
+    """Q(W) and its input-gradient operand, or (None, None) to quantize inside the GEMM.
+
+    Inside cache_fp8_weights, current scaling quantizes the same weights to the same bytes in
+    every micro-batch, so the first result is reused: one FP8 copy per step in memory and in
+    backward's saved tensors, instead of one per micro-batch in flight."""
+    gathered = gathered_weight(module, param, rows)
+    if gathered is not None or not module.fp8_cache_weights:
+        return gathered, None
+    key = (id(param), None if rows is None else (rows.start, rows.stop))
+    hit = module._fp8_weight_cache.get(key)
+    if hit is not None and hit[0] is param and hit[1] == (param._version, param.data_ptr()):
+        return hit[2], hit[3]
+    recipe, reducers = module.fp8_recipe, _reducers(module)
+    with torch.no_grad():
+        w = weight.detach()
+        qw = quantize_operand(w, "weight", recipe, history, reduce_amax=None if reducers is None
+                              else reducers.get("weight"))
+        qd = quantize_weight_for_dgrad(w, qw, recipe)
+    module._fp8_weight_cache[key] = (param, (param._version, param.data_ptr()), qw, qd)
+    return qw, qd
+
+
+def _fp8_dense(module: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               param: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` in FP8 for a dense FP8 module (`weight` is `param[rows]`)."""
+    backend = _gemm_backend(module, x)
+    if backend == "te":
+        return te_linear_forward(module, x, weight, bias)
+    history = _history(module)
+    qw, qd = _weight_operands(module, weight, param, rows, history)
+    return fp8_linear(x, weight, bias, module.fp8_recipe, history, backend, reducers=_reducers(module),
+                      qweight=qw, qweight_dgrad=qd)
 
 
 def _gemm_backend(module: nn.Module, x: torch.Tensor) -> str:
@@ -96,13 +205,45 @@ class FP8Linear(nn.Linear):
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        backend = _gemm_backend(self, x)
-        if backend == "te":
-            return te_linear_forward(self, x)
-        return fp8_linear(x, self.weight, self.bias, self.fp8_recipe, _history(self), backend)
+        return _fp8_dense(self, x, self.weight, self.bias, self.weight)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8_recipe.scaling}/{self.fp8_recipe.fp8_format}"
+
+
+def _tp_to_fp8(module: nn.Module, cls: type, recipe: FP8Recipe, backend: str, name: str) -> nn.Module:
+    """Convert a tensor-parallel linear in place; its local GEMMs (`linear`) become FP8."""
+    if module.sequence_parallel and module.overlap_chunks > 1:
+        raise ValueError(f"module {name!r}: FP8 with parallel.tp_comm_overlap (chunked all-gather/reduce-scatter "
+                         f"overlap runs its GEMMs in high precision): set parallel.tp_comm_overlap=false, or "
+                         f"exclude the module from FP8")
+    out_f, in_f = module.weight.shape
+    backend = _module_backend(name, recipe, backend, [(in_f, out_f)])
+    module.__class__ = cls
+    _init_fp8(module, recipe, 1, module.weight.device, backend)
+    return module
+
+
+class FP8ColumnParallelLinear(ColumnParallelLinear):
+    """ColumnParallelLinear whose local GEMMs run in FP8; the weight shard and the output-gradient
+    shard take the whole tensor's scale (amaxes reduced over TP), the input is gathered first."""
+
+    fp8_recipe: FP8Recipe
+    fp8_backend: str
+
+    def linear(self, x, weight, bias):
+        return _fp8_dense(self, x, weight, bias, self.weight, self.used_rows)
+
+
+class FP8RowParallelLinear(RowParallelLinear):
+    """RowParallelLinear whose partial GEMM runs in FP8; the input shard and the weight shard take the
+    whole tensor's scale (amaxes reduced over TP); the sum over ranks stays in high precision."""
+
+    fp8_recipe: FP8Recipe
+    fp8_backend: str
+
+    def linear(self, x, weight, bias):
+        return _fp8_dense(self, x, weight, bias, self.weight)
 
 
 class FP8GroupedExperts(GroupedExperts):
@@ -137,7 +278,9 @@ class FP8GroupedExperts(GroupedExperts):
         history = _history(self)
         if history is not None:  # gate_up and down keep separate histories (halves of the G axis)
             history = history.narrow(2, which * self.num_local_experts, self.num_local_experts)
-        return fp8_grouped_linear(x_NH, weight, rows_per_expert, self.fp8_recipe, history, backend, self.backend)
+        qw, qd = _weight_operands(self, weight, weight, None, history)
+        return fp8_grouped_linear(x_NH, weight, rows_per_expert, self.fp8_recipe, history, backend, self.backend,
+                                  reducers=_reducers(self), qweight=qw, qweight_dgrad=qd)
 
     def forward(self, x_NH: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
         backend = _gemm_backend(self, x_NH)
@@ -162,37 +305,89 @@ def _high_precision_linears(model: nn.Module) -> set[int]:
     return keep
 
 
+_TP_FP8 = {ColumnParallelLinear: FP8ColumnParallelLinear, RowParallelLinear: FP8RowParallelLinear}
+
+
+def _reductions(module: nn.Module, recipe: FP8Recipe, ps, token_group: Group | None) -> dict:
+    """role -> the groups whose ranks hold other parts of that operand (docs/fp8.md, "Tensor parallel"):
+    TP shards (column: weight rows and output-gradient columns; row: input columns and weight columns;
+    experts: ETP ffn slices), tokens of other sequence shards (replicated linears under SP), and for
+    delayed scaling Megatron's amax reduction group (TP x DP x CP) for dense modules."""
+    roles: dict[str, list] = {r: [] for r in ROLES}
+    if isinstance(module, FP8GroupedExperts):  # ffn slices over ETP; the TP group's tokens split over ranks
+        groups = [module.etp_group, token_group]
+        for r in ROLES:
+            roles[r] = [g for g in groups if g is not None]
+        return roles
+    if isinstance(module, FP8ColumnParallelLinear):
+        sharded = ("weight", "grad_output")
+    elif isinstance(module, FP8RowParallelLinear):
+        sharded = ("input", "weight")
+    else:
+        sharded = ("input", "grad_output") if ps is not None and ps.sequence_parallel else ()
+    tp = getattr(module, "group", None) or (ps.tp if ps is not None else None)
+    for r in sharded:
+        roles[r].append(tp)
+    if recipe.scaling == "delayed" and ps is not None:
+        for r in ROLES:
+            roles[r] = [tp if tp is not None else ps.tp, ps.dp_cp]
+    return roles
+
+
+_TOKEN_GROUPS: dict = {}
+
+
+def expert_token_group(ps) -> Group | None:
+    """The ranks of this rank's TP group that hold the same experts (same EP coordinate): a tensor-parallel
+    MoE layer splits the TP group's tokens over them, so an expert's rows in one process are the union of
+    theirs. Collective (every rank creates every such group) the first time for a layout with tp > 1."""
+    if ps.tp.size == 1:
+        return None
+    key = (id(ps.world.handle), ps.sizes)
+    if key not in _TOKEN_GROUPS:
+        lists = named_rank_groups(ps.sizes)
+        ep_coord = {r: i for ranks in lists["ep"] for i, r in enumerate(ranks)}
+        subsets = sorted({tuple(r for r in tp if ep_coord[r] == c) for tp in lists["tp"] for c in set(ep_coord.values())})
+        handles = {s: dist.new_group(list(s)) for s in subsets if len(s) > 1}  # same order on every rank
+        _TOKEN_GROUPS[key] = {s: (Group("tp_same_experts", s, s.index(ps.rank), h) if ps.rank in s else None)
+                              for s, h in handles.items()}
+    return next((g for g in _TOKEN_GROUPS[key].values() if g is not None), None)
+
+
 def apply_fp8(model: nn.Module, recipe: FP8Recipe | str, *, exclude: Iterable[str] = (),
-              amax_group=None) -> nn.Module:
+              amax_group=None, parallel_state=None) -> nn.Module:
     """Make `model`'s projections and routed experts FP8, in place; returns `model`.
 
     `recipe`: an FP8Recipe or a name ("tensorwise", "delayed", "blockwise", "mxfp8"). `exclude`:
     fnmatch patterns of module names (as in `named_modules()`) to keep in high precision.
-    `amax_group`: the ProcessGroup Transformer Engine reduces amaxes over (the stage's data/context
-    parallel ranks; None in one process). The backend is chosen once: `fp8_backend_choice`.
+    `amax_group`: the ProcessGroup Transformer Engine reduces amaxes over (the stage's tensor, data
+    and context parallel ranks; None in one process). `parallel_state`: the model's layout; its groups
+    make scales agree across ranks (`_reductions`). The backend is chosen once: `fp8_backend_choice`.
+    Tensor-parallel linears become FP8 (the vocab-parallel head stays in high precision).
     """
     recipe = get_fp8_recipe(recipe)
     chosen, _ = fp8_backend_choice(recipe)  # a named backend that cannot run here fails now
     patterns = list(exclude)
+    token_group = expert_token_group(parallel_state) if parallel_state is not None else None  # collective
     keep = _high_precision_linears(model)
     targets = []
     for name, module in model.named_modules():
         if any(fnmatch.fnmatchcase(name, p) for p in patterns) or id(module) in keep:
             continue
-        if isinstance(module, (FP8Linear, FP8GroupedExperts)):
+        if isinstance(module, (FP8Linear, FP8GroupedExperts, *_TP_FP8.values())):
             raise ValueError(f"module {name!r} is already FP8; apply_fp8 runs once per model")
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            raise NotImplementedError(f"module {name!r} is a tensor-parallel {type(module).__name__}: FP8 with "
-                                      f"tensor parallelism is not supported yet (exclude it to keep it in "
-                                      f"high precision)")
-        if type(module) is nn.Linear or type(module) is GroupedExperts:
+        if type(module) in (nn.Linear, GroupedExperts, *_TP_FP8):
             targets.append((name, module))
     for name, module in targets:
         if isinstance(module, GroupedExperts):
             FP8GroupedExperts.from_experts(module, recipe, chosen, name)
+        elif type(module) in _TP_FP8:
+            _tp_to_fp8(module, _TP_FP8[type(module)], recipe, chosen, name)
         else:
             FP8Linear.from_linear(module, recipe, chosen, name)
         module.fp8_amax_group = amax_group
+        set_fp8_reductions(module, _reductions(module, recipe, parallel_state, token_group),
+                           training_only=() if parallel_state is None else (parallel_state.dp_cp,))
     for module in model.modules():  # FP8 grouped GEMMs want each expert's rows padded
         if isinstance(module, MoELayer) and isinstance(module.experts, FP8GroupedExperts):
             dispatcher = module.dispatcher
@@ -203,7 +398,7 @@ def apply_fp8(model: nn.Module, recipe: FP8Recipe | str, *, exclude: Iterable[st
 
 def fp8_modules(model: nn.Module) -> dict[str, nn.Module]:
     """The FP8 modules of `model` by name."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, (FP8Linear, FP8GroupedExperts))}
+    return {n: m for n, m in model.named_modules() if isinstance(m, (FP8Linear, FP8GroupedExperts, *_TP_FP8.values()))}
 
 
 def fp8_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -227,5 +422,6 @@ def load_fp8_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> Non
         mine[key].copy_(t)
 
 
-__all__ = ["FP8Linear", "FP8GroupedExperts", "apply_fp8", "fp8_backend_choice", "fp8_modules", "fp8_state_dict",
+__all__ = ["FP8Linear", "FP8GroupedExperts", "FP8ColumnParallelLinear", "FP8RowParallelLinear", "apply_fp8",
+           "gathered_weight", "set_fp8_reductions", "set_gathered_weight", "fp8_backend_choice", "fp8_modules", "fp8_state_dict",
            "load_fp8_state_dict"]

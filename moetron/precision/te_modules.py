@@ -10,9 +10,11 @@ Design notes: docs/fp8.md.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from moetron.ops import swiglu
+from moetron.parallel.state import rank_groups
 from moetron.precision.fp8 import FP8Recipe
 
 TE_ROWS, TE_IN, TE_OUT = 8, 16, 8
@@ -50,24 +52,30 @@ def te_autocast(recipe: FP8Recipe, group):
     return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe(recipe), fp8_group=group)
 
 
-def te_linear_forward(module, x: torch.Tensor) -> torch.Tensor:
+def te_linear_forward(module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` on a `te.Linear` sharing `weight` / `bias` (a module's parameters,
+    or this tensor-parallel rank's rows of one: TP communication stays moetron's)."""
     import transformer_engine.pytorch as te
 
+    out_features, in_features = weight.shape
     if module._te_module is None:
-        tl = te.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                       params_dtype=module.weight.dtype, device=module.weight.device)
+        tl = te.Linear(in_features, out_features, bias=bias is not None, params_dtype=weight.dtype,
+                       device=weight.device)
         object.__setattr__(module, "_te_module", tl)
     tl = module._te_module
     tl.train(module.training)
-    tl._parameters["weight"] = module.weight  # share our parameters (same objects, our names)
-    if module.bias is not None:
-        tl._parameters["bias"] = module.bias
+    for name, t in (("weight", weight), ("bias", bias)):  # share ours (same objects, our names)
+        if isinstance(t, torch.nn.Parameter):
+            tl._parameters[name] = t
+        elif t is not None:  # a view of a parameter (replicated kv rows)
+            tl._parameters.pop(name, None)
+            object.__setattr__(tl, name, t)
     x2 = x.reshape(-1, x.shape[-1])
     rows = x2.shape[0]
     pad = -rows % TE_ROWS
     with te_autocast(module.fp8_recipe, module.fp8_amax_group):
         y = tl(F.pad(x2, (0, 0, 0, pad)) if pad else x2)
-    return (y[:rows] if pad else y).view(*x.shape[:-1], module.out_features)
+    return (y[:rows] if pad else y).view(*x.shape[:-1], out_features)
 
 
 def te_experts_forward(module, x_NH: torch.Tensor, rows_per_expert: torch.Tensor) -> torch.Tensor:
@@ -93,4 +101,22 @@ def te_experts_forward(module, x_NH: torch.Tensor, rows_per_expert: torch.Tensor
     return outs
 
 
-__all__ = ["te_autocast", "te_experts_forward", "te_linear_forward", "te_recipe", "te_shape_problem"]
+__all__ = ["amax_reduction_group", "te_autocast", "te_experts_forward", "te_linear_forward", "te_recipe", "te_shape_problem"]
+
+
+_STAGE_GROUPS: dict = {}
+
+
+def amax_reduction_group(ps):
+    """Megatron's amax reduction group for Transformer Engine: this pipeline stage's TP x DP x CP ranks
+    (`ps.dp_cp` when tp=1; WORLD's ranks with pp=1). Collective the first time when pp > 1 and tp > 1."""
+    if ps.tp.size == 1:
+        return ps.dp_cp.handle
+    if ps.pp.size == 1:
+        return ps.world.handle
+    sizes = ps.sizes
+    key = (id(ps.world.handle), sizes.world_size, tuple(sizes.order), ps.pp.size)
+    if key not in _STAGE_GROUPS:  # every rank creates every stage's group, in one order
+        lists = rank_groups(sizes.attention_grid(), sizes.order, ("tp", "cp", "dp"))
+        _STAGE_GROUPS[key] = {tuple(r): dist.new_group(list(r)) for r in lists}
+    return next(h for ranks, h in _STAGE_GROUPS[key].items() if ps.rank in ranks)

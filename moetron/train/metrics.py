@@ -88,8 +88,11 @@ def describe_run(recipe, *, world_size: int, dp: int, total_params: int, active_
     dims = " ".join(f"{k}={getattr(p, k)}" for k in ("tp", "cp", "ep", "etp", "pp") if getattr(p, k) > 1)
     if p.pp > 1:
         dims += f" (schedule {p.schedule}{f', vpp={p.vpp}' if p.vpp > 1 else ''})"
+    if p.cp > 1:
+        dims += f" (cp_comm_type {p.cp_comm_type}{f' {p.hierarchical_cp}' if p.hierarchical_cp else ''})"
     lines.append(f"layout: {dims or 'no model parallelism'}, {dp} data-parallel replica(s) (dp={dp})"
-                 + (f", dispatcher {p.dispatcher}" if p.ep > 1 else ""))
+                 + (f", dispatcher {p.dispatcher}" if p.ep > 1 else "")
+                 + (f", ZeRO-{p.zero}" if dp > 1 and p.zero else ""))
     tokens = dp * t.grad_accum * t.micro_batch_size * t.seq_len
     lines.append(f"batch: {tokens:,} tokens per step = {dp} replica(s) x {t.grad_accum} micro-batch(es) "
                  f"(train.grad_accum) x {t.micro_batch_size} sequence(s) (train.micro_batch_size) x {t.seq_len} "

@@ -75,7 +75,8 @@ def check_layout(recipe: Recipe, world_size: int) -> None:
 def estimate_memory(recipe: Recipe, world_size: int) -> dict[str, float]:
     """Bytes one rank needs, by part: parameters, gradients, optimizer, activations (a first-order
     estimate: experts split over ep*etp, the rest over tp, layers over pp, optimizer state over
-    data parallel with ZeRO-1, `min(grad_accum, pp)` micro-batches of activations in flight)."""
+    data parallel with ZeRO-1 (gradients too with ZeRO-2, parameters too with ZeRO-3, leaving out
+    the transient buckets and gathered layers), `min(grad_accum, pp)` micro-batches in flight)."""
     c, p, t = recipe.model, recipe.parallel, recipe.train
     sizes = p.resolve(world_size) if world_size % (p.tp * p.cp * p.pp) == 0 else None
     dp, edp = (sizes.dp, sizes.edp) if sizes is not None else (1, 1)
@@ -90,14 +91,17 @@ def estimate_memory(recipe: Recipe, world_size: int) -> dict[str, float]:
     param_bytes = 2 if t.dtype == "bf16" else 4
     zero = p.distributed_optimizer and world_size > 1 or t.dtype == "bf16"
     state = 8 + (4 if t.dtype == "bf16" else 0)  # Adam moments (+ fp32 master weights)
-    optimizer = (local_dense / dp + local_expert / edp) * state if zero else local * state
+    sharded = local_dense / dp + local_expert / edp
+    optimizer = sharded * state if zero else local * state
+    grads = sharded * 4 if p.zero >= 2 and world_size > 1 else local * 4  # ZeRO-2/3: this rank's shard
+    params = sharded * 4 if p.zero == 3 and world_size > 1 else local * param_bytes  # FSDP2: fp32 shards
     seq = t.seq_len // p.cp
     per_microbatch = sum(layer_activation_bytes(c, i, t.micro_batch_size, seq,
                                                 dtype=torch.bfloat16 if t.dtype == "bf16" else torch.float32).total
                          for i in range(c.num_layers)) / (p.tp * p.pp)
     logits = t.micro_batch_size * seq * c.vocab_size * 4 * 2 / p.tp  # logits and their softmax, fp32
     in_flight = min(t.grad_accum, p.pp) if p.pp > 1 else 1
-    return {"parameters": local * param_bytes, "gradients": local * 4, "optimizer": optimizer,
+    return {"parameters": params, "gradients": grads, "optimizer": optimizer,
             "activations": per_microbatch * in_flight + logits}
 
 

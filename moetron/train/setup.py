@@ -27,10 +27,16 @@ from moetron.model.model import MoETransformer
 from moetron.model.parallelize import parallelize
 from moetron.ops import set_fusion
 from moetron.optim import DistributedOptimizer, ReplicatedAdamW
+from moetron.optim.adamw import AdamW
+from moetron.optim.fsdp import ShardedAdamW
 from moetron.parallel.data_parallel import DataParallel
+from moetron.parallel.fsdp import FullyShardedDataParallel
+from moetron.parallel.zero import ShardedGradDataParallel
 from moetron.pipeline.runtime import sync_shared_parameters
 from moetron.pipeline.stage import parameter_key, pipeline_stages, shared_parameter_ranks
 from moetron.precision import apply_fp8, fp8_backend_choice, get_fp8_recipe
+from moetron.precision.fp8_param_gather import enable_fp8_param_gather
+from moetron.precision.te_modules import amax_reduction_group
 from moetron.parallel import ParallelState, init_from_env, validate_for_model
 from moetron.config import Recipe
 from moetron.data.builtin import BYTE_VOCAB
@@ -168,9 +174,8 @@ def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     t = recipe.train
-    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=tuple(t.betas),
-                             fused=True)
+    return AdamW([{"params": decay, "weight_decay": t.weight_decay},  # torch's, minus the torch._dynamo import
+                  {"params": no_decay, "weight_decay": 0.0}], lr=t.lr, betas=tuple(t.betas), fused=True)
 
 
 def _check_layout(recipe: Recipe, ps: ParallelState) -> None:
@@ -218,9 +223,9 @@ def _apply_fp8(model: MoETransformer, t, ps: ParallelState | None = None, log=No
         backend, reason = fp8_backend_choice(recipe)
         if log is not None and (ps is None or ps.rank == 0):
             log(f"fp8 {t.fp8}: backend {backend} ({reason})")
-        # TE reduces amaxes over the ranks that hold the same modules of this pipeline stage
-        amax_group = ps.dp_cp.handle if ps is not None else None
-        apply_fp8(model, recipe, exclude=fp8_exclusions(t, c.num_layers), amax_group=amax_group)
+        # TE reduces amaxes over this pipeline stage's TP x DP x CP ranks (Megatron's amax reduction group)
+        amax_group = amax_reduction_group(ps) if ps is not None and backend == "te" else None
+        apply_fp8(model, recipe, exclude=fp8_exclusions(t, c.num_layers), amax_group=amax_group, parallel_state=ps)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -260,9 +265,15 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
                          f"etp={p.etp} pp={p.pp}) but runs in one process: launch it with "
                          f"`torchrun --nproc-per-node N -m moetron train ...`, or override the layout "
                          f"with --set parallel.ep=1 ...")
-    if t.fp8 and p.tp > 1:
-        raise NotImplementedError("train.fp8 with parallel.tp > 1: tensor-parallel FP8 linear layers are not "
-                                  "supported yet")
+    if t.fp8 and p.tp > 1 and p.tp_comm_overlap:
+        raise ValueError("train.fp8 with parallel.tp_comm_overlap=true: the chunked all-gather/reduce-scatter "
+                         "overlap runs its GEMMs in high precision; set parallel.tp_comm_overlap=false")
+    if t.fp8_param_gather and (one_process or not p.distributed_optimizer or getattr(p, "zero", 1) == 3):
+        why = ("runs in one process: nothing is all-gathered; launch with data-parallel ranks" if one_process else
+               "needs parallel.distributed_optimizer=true (only ZeRO-1/2 all-gather parameters)"
+               if not p.distributed_optimizer else "with parallel.zero_stage=3: FSDP2 gathers the parameters itself; "
+               "use parallel.zero_stage=1 or 2")
+        raise ValueError(f"train.fp8_param_gather=true {why}, or set train.fp8_param_gather=false")
     dtype = DTYPES[t.dtype]
     if dtype != torch.float32 and not p.distributed_optimizer:
         raise ValueError(f"train.dtype={t.dtype} needs parallel.distributed_optimizer=true: it keeps the fp32 "
@@ -283,6 +294,8 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
         _check_layout(recipe, ps)
         parallelize(model, ps, p)
     _apply_fp8(model, t, ps, log)
+    if p.zero == 3 and ps.world_size > 1:  # FSDP2 keeps fp32 shards and computes in `dtype`
+        return _fully_sharded_run(recipe, ps, model, device, dtype)
     _to_device(model, device, dtype)  # before the pipeline syncs shared weights over the (NCCL) group
     schedule = stages = None
     trained: nn.Module = model
@@ -291,12 +304,29 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
         trained = nn.ModuleList(stages)
     # parallel.distributed_optimizer: ZeRO-1 (reduce-scatter, sharded state, all-gather) or a full
     # AdamW replica per rank over all-reduced gradients; the trainer drives both the same way.
-    ddp = DataParallel(trained, ps, use_distributed_optimizer=p.distributed_optimizer, grad_dtype=torch.float32,
-                       bucket_size=p.bucket_size, overlap_grad_reduce=p.overlap_grad_reduce,
-                       overlap_param_gather=p.overlap_param_gather)
+    # parallel.zero_stage=2: the gradients persist as this rank's shard only (parallel/zero.py)
+    ddp = (ShardedGradDataParallel if p.zero == 2 else DataParallel)(
+        trained, ps, use_distributed_optimizer=p.distributed_optimizer, grad_dtype=torch.float32,
+        bucket_size=p.bucket_size, overlap_grad_reduce=p.overlap_grad_reduce, overlap_param_gather=p.overlap_param_gather)
     kind = DistributedOptimizer if p.distributed_optimizer else ReplicatedAdamW
     extra = ({"overlap_param_gather_with_optimizer_step": p.overlap_param_gather_with_optimizer_step}
              if p.distributed_optimizer else {})
     optimizer = kind(ddp, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, max_grad_norm=t.grad_clip,
                      **extra)
+    if t.fp8_param_gather:  # the ZeRO all-gather sends FP8 weights (raises where it cannot take effect)
+        enable_fp8_param_gather(ddp)
     return TrainingRun(recipe, ps, model, optimizer, ddp, schedule, stages, device=device)
+
+
+def _fully_sharded_run(recipe: Recipe, ps: ParallelState, model: MoETransformer, device, dtype) -> TrainingRun:
+    """parallel.zero_stage=3: FSDP2 `fully_shard` on every transformer (and MTP) layer, then the root."""
+    t = recipe.train
+    if t.init_hf:
+        raise ValueError("train.init_hf with parallel.zero_stage=3 is not supported: start from the Hugging Face "
+                         "weights under parallel.zero_stage=1 or 2, save a checkpoint, and resume it under ZeRO-3")
+    _to_device(model, device, torch.float32)
+    units = list(model.layers) + list(getattr(model, "mtp", None) or [])
+    fsdp = FullyShardedDataParallel(model, ps, units, param_dtype=None if dtype == torch.float32 else dtype)
+    optimizer = ShardedAdamW(fsdp, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
+                             max_grad_norm=t.grad_clip)
+    return TrainingRun(recipe, ps, model, optimizer, fsdp, device=device)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from moetron.bridge.convert import load_hf_weights, moetron_to_hf
 from moetron.parallel.context_parallel import split_batch
 from moetron.pipeline.runtime import run_schedule
+from moetron.precision import cache_fp8_weights
 from moetron.model.size import model_size, training_flops_per_token
 from moetron.moe import balancing
 from moetron.parallel.state import collective_failures, init_process_group_from_env
@@ -63,7 +64,7 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
     run, hint = _start(recipe, log)
     say = log if run.is_main else (lambda s: None)
     dp = run.data_rank[1]
-    data, held = build_data(recipe, stdlib_corpus, dp)
+    data, held = build_data(recipe, lambda: stdlib_corpus(dtype=torch.uint8), dp)  # batches come out int64
     if t.data != "builtin":
         say(data.describe())
     size = model_size(recipe.model)
@@ -308,7 +309,7 @@ def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token
     if run.ddp is not None:
         run.ddp.zero_grad()
     run.model.reset_load_stats()
-    with guard("in the forward/backward pass"):
+    with guard("in the forward/backward pass"), cache_fp8_weights(run.model):  # FP8: Q(W) once per step
         sums, tokens = _forward_backward(run, data, step)
     with guard("in the gradient reduction and loss check"):
         if run.ddp is not None:
