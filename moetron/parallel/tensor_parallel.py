@@ -254,8 +254,11 @@ class ColumnParallelLinear(nn.Module):
     `gather_input=False` when the input is already inside the TP region (replicated with summed
     gradients, or already gathered). `used_rows` (from `from_linear(..., replicate_rows=...)`) keeps
     the whole weight replicated and uses only those rows, summing its gradient over the group: how a
-    kv head shared by several TP ranks is held.
+    kv head shared by several TP ranks is held. `tp_comm_in_gemm` (FP8 subclasses on TE userbuffers):
+    `gather_linear` gathers the sequence-parallel input inside the GEMM.
     """
+
+    tp_comm_in_gemm = False
 
     def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = False,
                  sequence_parallel: bool = False, gather_input: bool = True, seq_dim: int = -2,
@@ -335,12 +338,15 @@ def column_parallel_forward(x: torch.Tensor, layers, *, input_entered: bool = Fa
     first = layers[0]
     group, sp = first.group, first.sequence_parallel
     setting = (group, sp, first.gather_input, first.seq_dim, first.overlap_chunks)
-    if any((l.group, l.sequence_parallel, l.gather_input, l.seq_dim, l.overlap_chunks) != setting for l in layers):
+    if any((l.group, l.sequence_parallel, l.gather_input, l.seq_dim, l.overlap_chunks, l.tp_comm_in_gemm) !=
+           (*setting, first.tp_comm_in_gemm) for l in layers):
         raise ValueError("column_parallel_forward: the layers must share group, sequence_parallel, gather_input, "
-                         "seq_dim and overlap_chunks")
+                         "seq_dim, overlap_chunks and how they communicate")
     params = [layer.local_weight() for layer in layers]
     weights, biases = [w for w, _ in params], [b for _, b in params]
     if first.gather_input and not input_entered and group.size > 1:
+        if sp and first.tp_comm_in_gemm:  # each GEMM gathers its input itself (TE userbuffers)
+            return [layer.gather_linear(x, w, b) for layer, (w, b) in zip(layers, params)]
         if sp and first.overlap_chunks > 1:  # chunked overlap: high-precision GEMMs inside
             return all_gather_linear(x, weights, biases, group, first.seq_dim, first.overlap_chunks)
         # under sequence parallel the GEMMs (FP8 ones too) see the whole gathered sequence
@@ -353,7 +359,10 @@ class RowParallelLinear(nn.Module):
 
     The sum is an all-reduce (output replicated) or, with sequence parallel, a reduce-scatter along
     `seq_dim` (output sharded on the sequence). The bias is added once, after the sum.
+    `tp_comm_in_gemm`: `linear_reduce_scatter` reduce-scatters inside the GEMM (TE userbuffers).
     """
+
+    tp_comm_in_gemm = False
 
     def __init__(self, in_features: int, out_features: int, group: Group, *, bias: bool = False,
                  sequence_parallel: bool = False, seq_dim: int = -2, overlap_chunks: int = 1,
@@ -398,7 +407,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
             return self.linear(x, self.weight, self.bias)
-        if self.sequence_parallel and self.overlap_chunks > 1:  # high-precision GEMMs inside
+        if self.sequence_parallel and self.tp_comm_in_gemm:  # the GEMM reduce-scatters (TE userbuffers)
+            y = self.linear_reduce_scatter(x, self.weight)
+        elif self.sequence_parallel and self.overlap_chunks > 1:  # high-precision GEMMs inside
             y = linear_reduce_scatter(x, self.weight, self.group, self.seq_dim, self.overlap_chunks)
         elif self.sequence_parallel:
             dim = self.seq_dim % x.dim()

@@ -25,7 +25,8 @@ from moetron.ops import swiglu
 from moetron.precision.fp8 import ROLES, FP8Recipe, Quantized, get_fp8_recipe, quantize_operand, quantize_weight_for_dgrad
 from moetron.precision.fp8_backend import choose_fp8_backend, probe_capabilities
 from moetron.precision.fp8_matmul import check_backend, fp8_grouped_linear, fp8_linear
-from moetron.precision.te_modules import te_experts_forward, te_linear_forward, te_shape_problem
+from moetron.precision.te_modules import (UB_NAMES, te_experts_forward, te_linear_forward, te_shape_problem,
+                                         te_tp_linear_forward, te_ub_name)
 from moetron.parallel.state import Group, named_rank_groups
 from moetron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -212,15 +213,21 @@ class FP8Linear(nn.Linear):
 
 
 def _tp_to_fp8(module: nn.Module, cls: type, recipe: FP8Recipe, backend: str, name: str) -> nn.Module:
-    """Convert a tensor-parallel linear in place; its local GEMMs (`linear`) become FP8."""
-    if module.sequence_parallel and module.overlap_chunks > 1:
-        raise ValueError(f"module {name!r}: FP8 with parallel.tp_comm_overlap (chunked all-gather/reduce-scatter "
-                         f"overlap runs its GEMMs in high precision): set parallel.tp_comm_overlap=false, or "
-                         f"exclude the module from FP8")
+    """Convert a tensor-parallel linear in place; its local GEMMs (`linear`) become FP8. Under
+    parallel.tp_comm_overlap on Transformer Engine, TE's userbuffers overlap its TP communication."""
     out_f, in_f = module.weight.shape
     backend = _module_backend(name, recipe, backend, [(in_f, out_f)])
+    overlap = module.sequence_parallel and module.overlap_chunks > 1 and getattr(module, "gather_input", True)
+    if overlap and (backend != "te" or te_ub_name(name) is None):
+        why = ("moetron's chunked all-gather/reduce-scatter overlap runs its GEMMs in high precision; "
+               "train.fp8_backend=te overlaps them with TE's userbuffers" if backend != "te" else
+               f"TE's userbuffers overlap only Megatron's qkv / proj / fc1 / fc2 GEMMs ({sorted(UB_NAMES)})")
+        raise ValueError(f"module {name!r}: FP8 with parallel.tp_comm_overlap: {why}. Set "
+                         f"parallel.tp_comm_overlap=false, or exclude the module from FP8")
     module.__class__ = cls
     _init_fp8(module, recipe, 1, module.weight.device, backend)
+    if overlap:
+        module.tp_comm_in_gemm, module.te_ub_name = True, te_ub_name(name)
     return module
 
 
@@ -234,6 +241,10 @@ class FP8ColumnParallelLinear(ColumnParallelLinear):
     def linear(self, x, weight, bias):
         return _fp8_dense(self, x, weight, bias, self.weight, self.used_rows)
 
+    def gather_linear(self, x, weight, bias):
+        """The GEMM on the whole sequence of sequence-shard `x`: TE all-gathers it on userbuffers."""
+        return te_tp_linear_forward(self, x, weight, bias, "column")
+
 
 class FP8RowParallelLinear(RowParallelLinear):
     """RowParallelLinear whose partial GEMM runs in FP8; the input shard and the weight shard take the
@@ -244,6 +255,10 @@ class FP8RowParallelLinear(RowParallelLinear):
 
     def linear(self, x, weight, bias):
         return _fp8_dense(self, x, weight, bias, self.weight)
+
+    def linear_reduce_scatter(self, x, weight):
+        """The partial GEMM summed over TP, this rank's sequence shard: TE reduce-scatters on userbuffers."""
+        return te_tp_linear_forward(self, x, weight, None, "row")
 
 
 class FP8GroupedExperts(GroupedExperts):

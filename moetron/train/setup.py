@@ -36,7 +36,7 @@ from moetron.pipeline.runtime import sync_shared_parameters
 from moetron.pipeline.stage import parameter_key, pipeline_stages, shared_parameter_ranks
 from moetron.precision import apply_fp8, fp8_backend_choice, get_fp8_recipe
 from moetron.precision.fp8_param_gather import enable_fp8_param_gather
-from moetron.precision.te_modules import amax_reduction_group
+from moetron.precision.te_modules import amax_reduction_group, setup_te_userbuffers
 from moetron.parallel import ParallelState, init_from_env, validate_for_model
 from moetron.config import Recipe
 from moetron.data.builtin import BYTE_VOCAB
@@ -226,6 +226,12 @@ def _apply_fp8(model: MoETransformer, t, ps: ParallelState | None = None, log=No
         # TE reduces amaxes over this pipeline stage's TP x DP x CP ranks (Megatron's amax reduction group)
         amax_group = amax_reduction_group(ps) if ps is not None and backend == "te" else None
         apply_fp8(model, recipe, exclude=fp8_exclusions(t, c.num_layers), amax_group=amax_group, parallel_state=ps)
+        if backend == "te" and ps is not None and any(getattr(m, "tp_comm_in_gemm", False) for m in model.modules()):
+            plain = setup_te_userbuffers(model.named_modules(), ps, c.hidden_size,
+                                         t.micro_batch_size * t.seq_len // ps.cp.size, DTYPES[t.dtype], t.fp8)
+            if log is not None and ps.rank == 0:
+                log("tp_comm_overlap: Transformer Engine userbuffers (qkv, proj, fc1, fc2)" +
+                    (f"; TE's plain all-gather for {plain} (not hidden-wide)" if plain else ""))
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -265,9 +271,11 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
                          f"etp={p.etp} pp={p.pp}) but runs in one process: launch it with "
                          f"`torchrun --nproc-per-node N -m moetron train ...`, or override the layout "
                          f"with --set parallel.ep=1 ...")
-    if t.fp8 and p.tp > 1 and p.tp_comm_overlap:
-        raise ValueError("train.fp8 with parallel.tp_comm_overlap=true: the chunked all-gather/reduce-scatter "
-                         "overlap runs its GEMMs in high precision; set parallel.tp_comm_overlap=false")
+    if (t.fp8 and p.tp > 1 and p.tp_comm_overlap
+            and fp8_backend_choice(get_fp8_recipe(t.fp8, backend=t.fp8_backend))[0] != "te"):
+        raise ValueError("train.fp8 with parallel.tp_comm_overlap=true: moetron's chunked all-gather/reduce-scatter "
+                         "overlap runs its GEMMs in high precision; use train.fp8_backend=te (Transformer Engine "
+                         "userbuffers overlap FP8 GEMMs), or set parallel.tp_comm_overlap=false")
     if t.fp8_param_gather and (one_process or not p.distributed_optimizer or getattr(p, "zero", 1) == 3):
         why = ("runs in one process: nothing is all-gathered; launch with data-parallel ranks" if one_process else
                "needs parallel.distributed_optimizer=true (only ZeRO-1/2 all-gather parameters)"
@@ -294,6 +302,10 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
         _check_layout(recipe, ps)
         parallelize(model, ps, p)
     _apply_fp8(model, t, ps, log)
+    if p.tp_comm_overlap and ps.tp.size > 1 and ps.rank == 0 and not any(
+            getattr(m, "tp_comm_in_gemm", False) for m in model.modules()):
+        log(f"tp_comm_overlap: moetron's chunked all-gather->GEMM / GEMM->reduce-scatter "
+            f"({p.tp_comm_overlap_chunks} chunks)")
     if p.zero == 3 and ps.world_size > 1:  # FSDP2 keeps fp32 shards and computes in `dtype`
         return _fully_sharded_run(recipe, ps, model, device, dtype)
     _to_device(model, device, dtype)  # before the pipeline syncs shared weights over the (NCCL) group

@@ -1,4 +1,4 @@
-"""transformer_engine/pytorch/utils.py (fake): the FP8 GEMM shape rule and the device query."""
+"""transformer_engine/pytorch/utils.py (fake): the FP8 GEMM shape rule, the device query, `divide`."""
 
 import math
 from typing import List, Tuple
@@ -26,3 +26,15 @@ def assert_dim_for_fp8_exec(*tensors: List[torch.Tensor]) -> None:
                 f" with dims={list(tensor.size())} (product of leading dims ="
                 f" {math.prod(tensor.shape[:-1])}, last dim = {tensor.shape[-1]})"
             )
+
+
+def ensure_divisibility(numerator: int, denominator: int) -> None:
+    """Ensure that numerator is divisible by the denominator."""
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by {denominator}")
+
+
+def divide(numerator: int, denominator: int) -> int:
+    """Ensure that numerator is divisible by the denominator and return the division value."""
+    ensure_divisibility(numerator, denominator)
+    return numerator // denominator
