@@ -7,7 +7,7 @@ recompute that fits, as the planner would choose it), prints predicted tokens/s/
 figure, whether it fits, and where the published layout ranks among the planner's distinct layouts for
 that model and cluster (vpp's value not compared: the planner tries vpp 2 and 4): among all layouts, by
 its sizes alone (best schedule each), and among the layouts the publisher's framework offered (the row's
-framework_schedules, ZeRO-1, no EP overlap outside DualPipe). The efficiency constants
+framework_schedules, EP overlap where framework_fb_overlap allows it, ZeRO-1). The efficiency constants
 in moetron/plan/cost.py were set once for all rows together, never per row (docs/planning.md).
 """
 
@@ -29,11 +29,12 @@ from moetron.recipes import get_recipe
 
 DATA = Path(__file__).with_name("published_runs.toml")
 args_no_cache = [False]  # --no-fp8-activation-cache: the rows' recorded FP8 activation storage ignored
+args_activations = [None]  # --activations: one activation storage for every row instead of each row's own
 
 
 def _planner(run: dict, framework: bool = False) -> Planner:
-    """framework: the search restricted to what the publisher's framework offered (`framework_schedules`;
-    EP overlap only where the row ran it or the framework's schedule is DualPipe)."""
+    """framework: the search restricted to what the publisher's framework offered (`framework_schedules`,
+    EP overlap under `framework_fb_overlap`, ZeRO-1). The memory follows the row's `activations` storage."""
     cfg = get_recipe(run["recipe"]).model
     if run.get("set"):
         cfg = cfg.replace(**run["set"])
@@ -46,8 +47,10 @@ def _planner(run: dict, framework: bool = False) -> Planner:
                               fp8_weight_cache=fp8 is not None,
                               fp8_cache=run.get("fp8_activation_cache", False) and not args_no_cache[0],
                               dispatcher=run.get("dispatcher", "alltoall"),
+                              activations=args_activations[0] or run.get("activations", "moetron"),
                               **({"schedules": tuple(run["framework_schedules"]), "zero_stages": (1,),
-                                  "fb_overlap": "dualpipev" in run["framework_schedules"]} if framework else {})))
+                                  "fb_overlap_schedules": tuple(run.get("framework_fb_overlap", ("dualpipev",)))}
+                                 if framework else {})))
 
 
 def _candidate(run: dict) -> Candidate:
@@ -80,8 +83,11 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--no-fp8-activation-cache", action="store_true",
                         help="plan every row with moetron's own FP8 activation storage (ignore fp8_activation_cache)")
+    parser.add_argument("--activations", choices=["moetron", "megatron"], default=None,
+                        help="price every row's memory with this activation storage (default: each row's own)")
     args = parser.parse_args(argv)
     args_no_cache[0] = args.no_fp8_activation_cache
+    args_activations[0] = args.activations
     runs = tomllib.loads(DATA.read_text())["run"]
     rows, errors, hopper_errors, ranks, fits = [], [], [], [], []
     rankings: dict[tuple, list] = {}

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import textwrap
+import time
 
 import torch
 
@@ -55,6 +56,8 @@ def _fields_help() -> str:
         lines += textwrap.wrap(" ".join(items), width=110, initial_indent=f"  {name}: ", subsequent_indent="    ",
                                break_on_hyphens=False)
     return "\n".join(lines)
+
+RANK_ERROR_GRACE_S = 10.0  # how long a rank > 0 lets rank 0 report a shared configuration error
 
 
 def _cmd_train(args) -> int:
@@ -272,7 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         # error raised after the process group is up may be one rank's own: the others say it too.
         if rank == 0:
             print(f"moetron {args.command}: error: {exc}", file=sys.stderr)
-        elif torch.distributed.is_initialized():
+        else:
+            if not torch.distributed.is_initialized():
+                # The same error on rank 0 ends the job (torchrun stops this rank) once rank 0 has said
+                # it; exiting first would let torchrun stop rank 0 before it could. Only an error of this
+                # rank's own (a file missing on its node) outlives the wait, and is said by this rank.
+                time.sleep(RANK_ERROR_GRACE_S)
             print(f"moetron {args.command}: error (rank {rank}): {exc}", file=sys.stderr)
         return 2
 

@@ -19,7 +19,7 @@ from moetron.config import Recipe, TrainConfig
 from moetron.parallel.config import ParallelConfig
 from moetron.plan.candidate import Candidate
 from moetron.plan.gpus import GPUS
-from moetron.plan.memory import rank_state, stage_activation_bytes
+from moetron.plan.memory import layer_terms, rank_state, stage_activation_bytes
 from moetron.plan.search import Planner, PlanInputs, Pruned
 from moetron.recipes import get_recipe
 from dist_utils import run_distributed
@@ -332,3 +332,42 @@ def test_search_space_options_zero_stages_and_cp_comm_types(capsys):
         Candidate.parse("ep=2 zero_stage=3")
     assert moetron_main(["plan", "--recipe", "qwen3-moe-tiny", "--gpus", "2", "--schedules", "1f1b,gpipe"]) == 2
     assert "--schedules" in capsys.readouterr().err
+
+
+def test_megatron_activation_storage_against_hand_count():
+    """--activations megatron: Transformer Engine's storage for one Qwen3-235B MoE layer at tp 2 (sequence
+    parallel), ep 32, recompute moe_act + layernorm, counted by hand: norms keep their bf16 input, flash
+    attention k / v at the rank's 2 kv heads, no receive-buffer copy, the router's input inside the
+    layernorm checkpoint. Megatron-Bridge ran this layout without recompute (its Qwen3 performance recipes
+    set recompute_granularity=None): it fits with that storage, not with moetron's."""
+    cfg = get_recipe("qwen3-moe-235b-a22b").model
+    cand = Candidate(tp=2, ep=32, pp=8, recompute=("moe_act", "layernorm"))
+    mega = layer_terms(cfg, 0, cand, 4096, torch.bfloat16, "cuda", profile="megatron")
+    own = layer_terms(cfg, 0, cand, 4096, torch.bfloat16, "cuda")
+    T, MiB = 4096, 2 ** 20
+    assert mega["core q, k, v"] == T * 128 * 2 * (32 + 2 * 2) == 36 * MiB
+    assert mega["q_norm input fp32"] == T * 32 * 128 * 2 and mega["k_norm input fp32"] == T * 2 * 128 * 2
+    assert mega["router input fp32"] == 0 and mega["attn norm input"] == T * 4096 * 2 // 2
+    assert mega["expert input"] == T * 8 // 2 * 4096 * 2 and mega["expert gate_up"] == T * 8 // 2 * 2 * 1536 * 2
+    assert not [n for n in mega if n.endswith("normalised") or n in ("tp combine", "router weight fp32")]
+    assert "tp combine" in own and sum(mega.values()) < 0.6 * sum(own.values())
+    run = dict(gpus=256, gpu=GPUS["h100"], per_node=8, seq=4096, global_batch=2048, fp8="tensorwise",
+               fp8_weight_cache=True, dispatcher="flex")
+    bridge = Candidate.parse("tp=2 pp=8 vpp=4 ep=32 recompute=none")
+    fits = {a: Planner(PlanInputs(cfg, activations=a, **run)) for a in ("moetron", "megatron")}
+    assert fits["megatron"].evaluate(bridge, simulated=False).memory_total < fits["megatron"].capacity
+    with pytest.raises(Pruned, match="out of memory"):
+        fits["moetron"].evaluate(bridge, simulated=False)
+
+
+def test_fb_overlap_schedules_widen_the_search():
+    """The search tries fb_overlap under DualPipeV only by default; --fb-overlap-schedules interleaved
+    (Megatron-Core's A2A overlap) adds each interleaved layout with and without it, never under zb1p."""
+    cfg = get_recipe("qwen3-moe-30b-a3b").model
+    base = dict(config=cfg, gpus=16, gpu=GPUS["h100"], per_node=8, seq=4096, global_batch=512)
+    default = {(c.schedule, c.fb_overlap) for c in Planner(PlanInputs(**base)).candidates() if c.ep > 1 and c.pp > 1}
+    assert ("dualpipev", True) in default and ("interleaved", True) not in default
+    wide = Planner(PlanInputs(**base, fb_overlap_schedules=("interleaved", "dualpipev", "zb1p")))
+    pairs = {(c.schedule, c.fb_overlap) for c in wide.candidates() if c.ep > 1 and c.pp > 1}
+    assert {("interleaved", True), ("interleaved", False)} <= pairs and ("zb1p", True) not in pairs
+    assert moetron_main(["plan", "--recipe", "qwen3-moe-tiny", "--gpus", "2", "--fb-overlap-schedules", "zb1p"]) == 2

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moetron import cli
 from moetron.data.builtin import stdlib_corpus
 from moetron.recipes import apply_overrides, get_recipe
 from moetron.train import trainer
@@ -166,3 +167,13 @@ def test_four_rank_misconfiguration_is_one_error_line(tmp_path):
         "moetron train: error: parallel.ep=3 does not divide model.num_experts=8"], out
     assert proc.returncode != 0 and "exitcode  : 2" in out
     assert "moetron/cli.py" not in out and "moetron/train/" not in out  # no traceback from moetron
+
+
+def test_an_error_only_a_later_rank_meets_is_said_by_that_rank(monkeypatch, capsys):
+    """A rank > 0 waits RANK_ERROR_GRACE_S for rank 0 to report a shared error (torchrun stops it
+    then); an error of its own (rank 0 never meets it) is then said with its rank."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(cli, "RANK_ERROR_GRACE_S", 0.0)
+    assert cli.main(["train", "--set", "parallel.ep=3"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "moetron train: error (rank 1): parallel.ep=3 does not divide model.num_experts=8")

@@ -47,11 +47,17 @@ def add_parser(subparsers) -> None:
                         f"{','.join(SCHEDULES)}); e.g. 1f1b,interleaved for what Megatron-Core offers")
     p.add_argument("--no-fb-overlap", action="store_true",
                    help="never hide the EP all-to-all behind another micro-batch (parallel.fb_overlap=off)")
+    p.add_argument("--fb-overlap-schedules", default="dualpipev", metavar="LIST",
+                   help="schedules under which the search also tries fb_overlap (default dualpipev; add interleaved "
+                        "to price Megatron-Core's A2A overlap, moe_a2a_overlap)")
     p.add_argument("--zero-stages", default="1,2,3", metavar="LIST",
                    help="parallel.zero_stage values the search may use (default 1,2,3; 3 only data-parallel-only)")
     p.add_argument("--dispatcher", choices=["alltoall", "flex"], default="alltoall",
                    help="parallel.dispatcher priced: alltoall (every routed row travels) or flex (DeepEP: one "
                         "copy per destination rank and node)")
+    p.add_argument("--activations", choices=["moetron", "megatron"], default="moetron",
+                   help="whose activation storage the memory follows: moetron's, or Megatron-Core with Transformer "
+                        "Engine (to compare with runs published from it; docs/planning.md)")
     p.add_argument("--top", type=int, default=10, help="how many layouts to print")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--explain", metavar="LAYOUT", default=None,
@@ -86,6 +92,11 @@ def inputs_from_args(args) -> tuple[str, PlanInputs]:
     bad = [x for x in schedules if x not in SCHEDULES]
     if bad or not schedules:
         raise ValueError(f"--schedules {args.schedules!r}: choose from {', '.join(SCHEDULES)} (comma-separated)")
+    overlap_scheds = tuple(x.strip() for x in args.fb_overlap_schedules.split(",") if x.strip())
+    bad = [x for x in overlap_scheds if x not in SCHEDULES or x == "zb1p"]
+    if bad:
+        raise ValueError(f"--fb-overlap-schedules {args.fb_overlap_schedules!r}: choose from 1f1b, interleaved, "
+                         "dualpipev (zb1p's split backward is never paired)")
     try:
         zeros = tuple(int(x) for x in args.zero_stages.split(",") if x.strip())
     except ValueError:
@@ -103,7 +114,8 @@ def inputs_from_args(args) -> tuple[str, PlanInputs]:
                             global_batch, args.dtype, args.fp8, "cpu" if gpu.name == "cpu" else "cuda",
                             reserve_gib=0.5 if gpu.name == "cpu" else 4.0, fp8_weight_cache=args.fp8_weight_cache,
                             fp8_cache=args.fp8_activation_cache, schedules=schedules,
-                            fb_overlap=not args.no_fb_overlap, zero_stages=zeros, dispatcher=args.dispatcher)
+                            fb_overlap=not args.no_fb_overlap, fb_overlap_schedules=overlap_scheds,
+                            zero_stages=zeros, dispatcher=args.dispatcher, activations=args.activations)
 
 
 def run(args) -> int:

@@ -193,11 +193,12 @@ FP8_BYTES = 1 + 4 / 128
 
 
 def layer_terms(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype: torch.dtype, device: str,
-                fp8: bool = False, fp8_cache: bool = False) -> dict[str, float]:
+                fp8: bool = False, fp8_cache: bool = False, profile: str = "moetron") -> dict[str, float]:
     """One micro-batch of decoder layer `layer_idx` on one rank (balanced routing), term by term, with the
     rotary tables. `fp8`: FP8 linear layers (their inputs saved quantised); `fp8_cache`: DeepSeek-V3's
     low-precision storage on top (docs/planning.md): the SwiGLU input and the attention output cached in
-    FP8 / E5M6, routed rows received expert-major in FP8 (DeepEP) without a regroup copy."""
+    FP8 / E5M6, routed rows received expert-major in FP8 (DeepEP) without a regroup copy. `profile`
+    "megatron": what Megatron-Core with Transformer Engine saves instead (`_megatron_storage`)."""
     tp, sp = cand.tp, cand.sp and cand.tp > 1
     S = seq // cand.cp
     b = torch.finfo(dtype).bits // 8
@@ -211,6 +212,8 @@ def layer_terms(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype
     if device == "cuda":
         for name in _NOT_ON_GPU:
             out.pop(name, None)
+    if profile == "megatron" and not cand.full_recompute:
+        _megatron_storage(out, c, layer_idx, cand, S, b, sp, modules)
     if fp8:
         for name in _FP8_LINEAR_INPUTS:
             if name in out:
@@ -220,7 +223,7 @@ def layer_terms(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype
                 if name in out:
                     out[name] = out[name] * nbytes / b
     if cand.ep > 1 and tp == 1 and c.is_moe_layer(layer_idx) and not cand.full_recompute and "moe" not in modules \
-            and not (fp8 and fp8_cache):
+            and not (fp8 and fp8_cache) and profile != "megatron":
         # the all-to-all path regroups the received rows expert-major (dispatch/alltoall.py): the received
         # rows and the regroup's two indices are held too (measured: tests/test_plan.py); under TP the
         # same bytes are the "tp combine" term
@@ -264,16 +267,44 @@ def _tensor_parallel_terms(out: dict, terms: dict, c: ModelConfig, layer_idx: in
         out["tp combine"] = rows * (H * b + 16) + T // tp * c.top_k
 
 
+def _megatron_storage(out: dict, c: ModelConfig, layer_idx: int, cand: Candidate, S: int, b: int, sp: bool,
+                      modules) -> None:
+    """Megatron-Core with Transformer Engine, where it saves less than moetron (docs/planning.md): TE's
+    RMSNorm saves its input in the compute dtype and recomputes the normalised copy from it and 1/rms; a
+    column-parallel linear under sequence parallel saves its local input and all-gathers it again in
+    backward; flash attention keeps k and v at the kv heads; the router saves the bf16 input of the
+    rank's own tokens (inside CheckpointWithoutOutput under layernorm recompute: nothing); the experts'
+    first GEMM saves the expert-major rows, the dispatcher's receive buffers are not saved."""
+    T, H, tp = cand.mbs * S, c.hidden_size, cand.tp
+    local = T * H * b / (tp if sp else 1)
+    for name in list(out):
+        if name.endswith(" input fp32") and name != "router input fp32":
+            out[name] = out[name] * b / 4
+        elif name.endswith(" normalised") or name in ("tp combine", "received rows", "router weight fp32"):
+            del out[name]
+    moe = c.is_moe_layer(layer_idx)
+    if "router input fp32" in out:
+        out["router input fp32"] = 0 if "layernorm" in modules else local
+    if "mlp norm output" in out:
+        out["mlp norm output"] = 0 if moe and "moe" not in modules else local
+    if "attn norm output" in out and c.attention_type == "gqa":
+        out["attn norm output"] = local
+    if c.attention_type == "gqa" and "core q, k, v" in out:
+        g = c.num_kv_heads
+        kv = g // tp if g % tp == 0 else 1
+        out["core q, k, v"] = T * c.head_dim * b * (c.num_attention_heads // tp + 2 * kv)
+
+
 def layer_bytes(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype: torch.dtype,
-                device: str, fp8: bool = False, fp8_cache: bool = False) -> int:
+                device: str, fp8: bool = False, fp8_cache: bool = False, profile: str = "moetron") -> int:
     """One micro-batch of decoder layer `layer_idx` on one rank: the sum of `layer_terms`."""
-    return int(sum(layer_terms(c, layer_idx, cand, seq, dtype, device, fp8, fp8_cache).values()))
+    return int(sum(layer_terms(c, layer_idx, cand, seq, dtype, device, fp8, fp8_cache, profile).values()))
 
 
 def routed_row_bytes(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype: torch.dtype,
-                     device: str, fp8: bool = False, fp8_cache: bool = False) -> int:
+                     device: str, fp8: bool = False, fp8_cache: bool = False, profile: str = "moetron") -> int:
     """The part of `layer_bytes` that grows with the rows the rank's experts receive."""
-    terms = layer_terms(c, layer_idx, cand, seq, dtype, device, fp8, fp8_cache)
+    terms = layer_terms(c, layer_idx, cand, seq, dtype, device, fp8, fp8_cache, profile)
     return int(sum(v for n, v in terms.items() if n.startswith(_ROW_TERMS)))
 
 
@@ -292,7 +323,8 @@ def _head_bytes(c: ModelConfig, T: int, b: int, tp: int, sp_div: int) -> int:
 
 
 def stage_activation_bytes(c: ModelConfig, stage: PipelineStage | None, cand: Candidate, seq: int, dtype: str,
-                           device: str = "cuda", fp8: bool = False, fp8_cache: bool = False) -> int:
+                           device: str = "cuda", fp8: bool = False, fp8_cache: bool = False,
+                           profile: str = "moetron") -> int:
     """Bytes one micro-batch of `stage` (the whole model when None) keeps for backward on one rank: its
     layers (rotary tables once), the embedding's indices, the loss head and the MTP modules' extras."""
     tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
@@ -304,8 +336,8 @@ def stage_activation_bytes(c: ModelConfig, stage: PipelineStage | None, cand: Ca
         embedding, loss = True, True
     else:
         layers, mtp, embedding, loss = stage.decoder_layers, stage.mtp_layers, stage.has_embedding, stage.has_loss
-    total = sum(layer_bytes(c, i, cand, seq, tdtype, device, fp8, fp8_cache) for i in layers)
-    total += sum(layer_bytes(c, c.num_layers + j, cand, seq, tdtype, device, fp8, fp8_cache) for j in mtp)
+    total = sum(layer_bytes(c, i, cand, seq, tdtype, device, fp8, fp8_cache, profile) for i in layers)
+    total += sum(layer_bytes(c, c.num_layers + j, cand, seq, tdtype, device, fp8, fp8_cache, profile) for j in mtp)
     n_rope = len(layers) + len(mtp)
     if n_rope > 1:  # cos and sin are one storage shared by every layer of the stage
         total -= (n_rope - 1) * 2 * seq // cand.cp * c.rope_dim * b
@@ -347,12 +379,12 @@ def comm_buffer_bytes(c: ModelConfig, cand: Candidate, seq: int, dtype: str, fp8
 
 def imbalance_headroom(c: ModelConfig, cand: Candidate, seq: int, dtype: str, in_flight: int,
                        moe_layers: int, factor: float, device: str = "cuda", fp8: bool = False,
-                       fp8_cache: bool = False) -> int:
+                       fp8_cache: bool = False, profile: str = "moetron") -> int:
     """Extra routed rows when the busiest rank receives `factor` x its share: the row-proportional terms of
     one MoE layer (expert input, gate_up, activation, received rows, indices) over the in-flight MoE layers."""
     layer = next((j for j in range(c.num_layers) if c.is_moe_layer(j)), None)
     if layer is None:
         return 0
     per_layer = routed_row_bytes(c, layer, cand, seq, torch.float32 if dtype == "fp32" else torch.bfloat16,
-                                 device, fp8, fp8_cache)
+                                 device, fp8, fp8_cache, profile)
     return int(math.ceil((factor - 1.0) * per_layer * moe_layers * in_flight))

@@ -49,8 +49,15 @@ class PlanInputs:
     # the search space (`--schedules`, `--no-fb-overlap`, `--zero-stages`): e.g. what another framework offers
     schedules: tuple[str, ...] = SCHEDULES
     fb_overlap: bool = True  # the search may hide the EP all-to-all behind the paired micro-batch (DualPipeV)
+    # schedules under which the search also tries fb_overlap (`--fb-overlap-schedules`): moetron's pairing
+    # pays off under DualPipeV; Megatron-Core's combined-1F1B A2A overlap (moe_a2a_overlap) runs interleaved
+    fb_overlap_schedules: tuple[str, ...] = ("dualpipev",)
     zero_stages: tuple[int, ...] = (1, 2, 3)
     dispatcher: str = "alltoall"  # parallel.dispatcher: alltoall (moetron's default) or flex (DeepEP)
+    # whose activation storage the memory follows (`--activations`): moetron's own (measured by
+    # tests/test_plan.py), or megatron (Megatron-Core with Transformer Engine: plan/memory.py
+    # `_megatron_storage`), to compare with runs published from that framework
+    activations: str = "moetron"
 
 
 @dataclass
@@ -196,7 +203,8 @@ class Planner:
         key = (cand.tp, cand.cp, cand.mbs, cand.recompute, cand.full_recompute, cand.sp, index)
         if key not in self._acts:
             self._acts[key] = stage_activation_bytes(self.i.config, stage, cand, self.i.seq, self.i.dtype,
-                                                     self.i.device, bool(self.i.fp8), self.i.fp8_cache)
+                                                     self.i.device, bool(self.i.fp8), self.i.fp8_cache,
+                                                     self.i.activations)
         return self._acts[key]
 
     def _per_microbatch_weights(self) -> bool:
@@ -241,7 +249,7 @@ class Planner:
         hkey = (cand.tp, cand.cp, cand.ep, cand.mbs, cand.recompute, cand.full_recompute, cand.sp)
         if hkey not in self._headroom:  # per in-flight MoE layer
             self._headroom[hkey] = imbalance_headroom(c, cand, i.seq, i.dtype, 1, 1, i.imbalance, i.device,
-                                                      bool(i.fp8), i.fp8_cache)
+                                                      bool(i.fp8), i.fp8_cache, i.activations)
         best = None
         for st, (act, w8, moe) in zip(states, self._act_peaks[key]):
             parts = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": act,
@@ -394,10 +402,15 @@ class Planner:
                         for ep in eps:
                             for etp in sorted({1, tp}):
                                 for sched, vpp in schedules:
+                                    overlap = i.fb_overlap and overlap_possible(ep, pp, sched, i.fb_overlap_schedules)
+                                    # DualPipeV's pairs are its own: overlapped only; elsewhere both are tried
+                                    variants = (True,) if overlap and sched == "dualpipev" else \
+                                        ((False, True) if overlap else (False,))
                                     for mbs in (1, 2):
-                                        yield Candidate(tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, vpp=vpp,
-                                                        schedule=sched, mbs=mbs, cp_comm_type=cp_comm,
-                                                        fb_overlap=i.fb_overlap and overlap_possible(ep, pp, sched))
+                                        for ov in variants:
+                                            yield Candidate(tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, vpp=vpp,
+                                                            schedule=sched, mbs=mbs, cp_comm_type=cp_comm,
+                                                            fb_overlap=ov)
 
     def best_variant(self, cand: Candidate, zero_stages: tuple[int, ...] | None = None) -> Evaluation:
         """Per ZeRO stage the least recompute that fits (more recompute only adds time); the fastest of those.
@@ -439,14 +452,14 @@ class Planner:
         return final[:top] if top else final
 
 
-def overlap_possible(ep: int, pp: int, schedule: str) -> bool:
-    """Whether the search turns fb_overlap on: it pairs a forward with another micro-batch's backward,
-    which needs pp > 1 (parallel/config.py) and a full backward (ZB1P's split backward is left unpaired:
-    pipeline/overlap.py `pair_forward_backward`). Under 1f1b / interleaved that pairing holds each
-    forward's output until the paired backward ends, which delays the pipeline by more than the hidden
-    all-to-all saves (pipeline/simulator.py on the paired lists); the search keeps it for DualPipeV, whose
-    F&B pairs are the schedule's own. `--explain fb_overlap=1` evaluates it anywhere it can run."""
-    return ep > 1 and pp > 1 and schedule == "dualpipev"
+def overlap_possible(ep: int, pp: int, schedule: str, schedules: tuple[str, ...] = ("dualpipev",)) -> bool:
+    """Whether the search tries fb_overlap: it pairs a forward with another micro-batch's backward, which
+    needs pp > 1 (parallel/config.py) and a full backward (ZB1P's split backward is left unpaired:
+    pipeline/overlap.py `pair_forward_backward`). By default only DualPipeV, whose F&B pairs are the
+    schedule's own: under 1f1b / interleaved moetron's pairing holds each forward's output until the
+    paired backward ends (docs/planning.md); `schedules` widens it (Megatron's A2A overlap runs
+    interleaved). `--explain fb_overlap=1` evaluates it anywhere it can run."""
+    return ep > 1 and pp > 1 and schedule in schedules and schedule != "zb1p"
 
 
 def _inflight_vectors(result) -> list[list[tuple[int, ...]]]:
