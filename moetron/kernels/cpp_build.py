@@ -4,9 +4,12 @@ on first use, once per machine.
 
 `torch.utils.cpp_extension.load` compiles the file with ninja into
 `$TORCH_EXTENSIONS_DIR/moetron_permute_cpu-torch<version>-py<ver>/` (default
-`~/.cache/torch_extensions/...`) and rebuilds only when the source or the flags change, so
-every later process just loads the cached library (a fraction of a second; the first build
-takes about 15 s of CPU). Concurrent first builds wait on torch's lock file in that folder.
+`~/.cache/torch_extensions/...`) and rebuilds only when the source or the flags change; the first
+build takes about 15 s of CPU. Concurrent first builds wait on torch's lock file in that folder.
+A finished build is also copied there under a name that hashes its inputs (sources, flags, torch and
+Python versions): a later process that finds that file loads it directly, without importing
+`torch.utils.cpp_extension` or running ninja (about 0.3 s of every start-up); the copy is written
+once and renamed into place, so a concurrent rebuild from other sources never changes it.
 Building needs a C++ compiler (`$CXX` or `c++`) and `ninja`;
 when either is missing, or the build fails, `load_permute_ops()` raises `CppBuildError`
 with a one-line reason and the caller decides (an explicit `impl="cpp"` is an error,
@@ -15,6 +18,8 @@ with a one-line reason and the caller decides (an explicit `impl="cpp"` is an er
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -36,6 +41,7 @@ SWIGLU_SOURCE = SOURCE.with_name("swiglu_cpu.cpp")  # built with SOURCE: one lib
 GEMM_SOURCE = SOURCE.with_name("grouped_gemm_cpu.cpp")  # likewise
 # -ffp-contract=off: no FMA contraction, the fused numerics equal the torch reference bit for bit.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+LDFLAGS = ["-fopenmp"]
 
 
 class CppBuildError(RuntimeError):
@@ -118,21 +124,25 @@ def load_permute_ops(verbose: bool = False):
     """Build (first time on this machine) and load the extension; return `torch.ops.moetron_permute`."""
     global _result, _build_seconds
     with _lock:
+        start = time.perf_counter()
+        if _result is None and _load_built_copy():
+            _result, _build_seconds = (True, "loaded the cached build"), time.perf_counter() - start
         if _result is None:
             reason = _missing_tool()
             if reason is not None:
                 _result = (False, reason)
             else:
-                start = time.perf_counter()
                 try:
                     from torch.utils.cpp_extension import load
 
                     directory = build_directory()
                     directory.mkdir(parents=True, exist_ok=True)
+                    copy = _built_copy(directory)  # named by the inputs as they are before the build
                     load(name=EXTENSION_NAME, sources=[str(s) for s in _sources()], extra_cflags=CFLAGS,
-                         extra_ldflags=["-fopenmp"], build_directory=str(directory),
+                         extra_ldflags=LDFLAGS, build_directory=str(directory),
                          is_python_module=False, verbose=verbose)
                     _result = (True, "built")
+                    _keep_built_copy(directory, copy)
                 except Exception as exc:  # a compiler error, a missing header, a load failure
                     log.debug("building %s failed", EXTENSION_NAME, exc_info=True)
                     _result = (False, f"building {' + '.join(s.name for s in _sources())} failed: {_one_line(exc)}")
@@ -141,6 +151,61 @@ def load_permute_ops(verbose: bool = False):
     if not ok:
         raise CppBuildError(reason)
     return torch.ops.moetron_permute
+
+
+def _inputs_hash() -> str | None:
+    """A digest of everything the library is built from, or None when a source is missing."""
+    digest = hashlib.sha256(repr((EXTENSION_NAME, CFLAGS, LDFLAGS, torch.__version__, sys.version)).encode())
+    for source in _sources():
+        try:
+            digest.update(source.read_bytes())
+        except OSError:
+            return None
+    return digest.hexdigest()[:20]
+
+
+def _built_copy(directory: Path) -> Path | None:
+    digest = _inputs_hash()
+    return None if digest is None else directory / f"{EXTENSION_NAME}-{digest}.so"
+
+
+def _load_built_copy() -> bool:
+    """Load the copy of an earlier build of these very inputs, if there is one we own (see the module
+    docstring); False (nothing loaded) sends the caller through `torch.utils.cpp_extension.load`."""
+    try:
+        directory = build_directory()
+    except CppBuildError:
+        return False
+    path = _built_copy(directory)
+    if path is None or not path.is_file() or cache_problem(directory) is not None:
+        return False
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:  # only our own, unwritable by others
+        return False
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError):  # removed meanwhile, or not loadable here: build or load it the ordinary way
+        log.debug("loading %s failed", path, exc_info=True)
+        return False
+    return True
+
+
+def _keep_built_copy(directory: Path, path: Path | None) -> None:
+    """Copy the library just built (or found up to date) to `path`, its input-hashed name, atomically."""
+    built = directory / f"{EXTENSION_NAME}.so"
+    if path is None or path.exists() or not built.is_file():
+        return
+    tmp = None
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".tmp-", suffix=".so", delete=False) as tmp:
+            tmp.write(built.read_bytes())
+        os.chmod(tmp.name, 0o755)
+        os.replace(tmp.name, path)
+    except OSError:  # a read-only cache: every start-up goes through cpp_extension.load, as before
+        log.debug("keeping a copy of %s failed", built, exc_info=True)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp.name)
 
 
 def cpp_status(build: bool = False) -> tuple[bool, str]:
@@ -170,3 +235,4 @@ def load_grouped_gemm_ops(verbose: bool = False):
     """The CPU grouped GEMM of the same library (`torch.ops.moetron_gemm`); see `load_permute_ops`."""
     load_permute_ops(verbose)
     return torch.ops.moetron_gemm
+
