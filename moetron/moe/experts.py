@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from moetron.dispatch.base import local_expert_range, rank_and_size
 from moetron.ops import recompute
-from moetron.moe.grouped_gemm import grouped_linear, resolve_backend
+from moetron.moe.grouped_gemm import grouped_linear
 from moetron.ops.functional import weighted_swiglu
 from moetron.parallel import comm
 
@@ -68,23 +66,16 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_NH: torch.Tensor, rows_per_expert: torch.Tensor,
                 probs_N: torch.Tensor | None = None) -> torch.Tensor:
-        backend = resolve_backend(self.backend, x_NH, self.gate_up_proj) if x_NH.shape[0] else self.backend
-        gate_up = grouped_linear(x_NH, self.gate_up_proj, rows_per_expert, backend)
-        # Between moetron's C++ grouped GEMMs, fp32 rows take the C++ SwiGLU too (same library, one
-        # pass each way; within a few ulp of the reference: tests/test_fused_swiglu.py).
-        impl = self.activation_impl
-        if impl is None and backend == "cpp" and gate_up.dtype == torch.float32:
-            impl = "cpp"
+        gate_up = grouped_linear(x_NH, self.gate_up_proj, rows_per_expert, self.backend)
         if self.recompute_act:
             args = (gate_up,) if probs_N is None else (gate_up, probs_N)
-            act = recompute.discard_output(functools.partial(self._activation, impl=impl), *args)
+            act = recompute.discard_output(self._activation, *args)
             with recompute.saved_outputs():
-                return grouped_linear(act, self.down_proj, rows_per_expert, backend)
-        return grouped_linear(self._activation(gate_up, probs_N, impl=impl), self.down_proj, rows_per_expert, backend)
+                return grouped_linear(act, self.down_proj, rows_per_expert, self.backend)
+        return grouped_linear(self._activation(gate_up, probs_N), self.down_proj, rows_per_expert, self.backend)
 
-    def _activation(self, gate_up: torch.Tensor, probs_N: torch.Tensor | None = None, *,
-                    impl: str | None = None) -> torch.Tensor:
-        return weighted_swiglu(gate_up, probs_N, impl if impl is not None else self.activation_impl)
+    def _activation(self, gate_up: torch.Tensor, probs_N: torch.Tensor | None = None) -> torch.Tensor:
+        return weighted_swiglu(gate_up, probs_N, self.activation_impl)
 
     # --- full <-> shard ------------------------------------------------------------------
     def _ffn_slice(self) -> slice:
