@@ -1,6 +1,6 @@
 """One optimizer step of the same Qwen3-MoE model: moetron's trainer vs transformers + torch AdamW.
 
-    MALLOC_MMAP_MAX_=0 python benchmarks/train_step.py                  # tiny and mid, 2 threads
+    python benchmarks/train_step.py                                     # tiny and mid, 2 threads
     python benchmarks/train_step.py --sizes tiny --repeats 9 --threads 1
 
 Both sides start from the same weights (moetron's model written with `moetron.bridge.hf.to_hf` and
@@ -18,6 +18,8 @@ same batch. Before timing, the script checks that the two compute the same LM lo
 Sizes: `tiny` is the default recipe (H64, 4 layers, 8 experts top-2, 8x128 tokens); `mid` is H512,
 4 layers, 32 experts top-4 (moe ffn 256), 2x512 tokens. Steps are interleaved round-robin; the table
 gives median and min step times, tokens/s of the medians, and moetron's speed-up (hf / moetron).
+The process first makes the glibc setting `moetron train` makes on a CPU (freed memory kept for
+reuse, `moetron/train/host.py`), so both sides run with it; a MALLOC_* variable turns it off.
 """
 
 from __future__ import annotations
@@ -124,10 +126,17 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     import transformers
+    from types import SimpleNamespace
+
+    from moetron.train.host import keep_freed_memory
+
+    # what `moetron train` does on a CPU (unless a MALLOC_* variable is set): for both sides, one process
+    kept = keep_freed_memory(SimpleNamespace(device=torch.device("cpu")), lambda line: None)
 
     print(f"one training step, fp32 CPU, threads {torch.get_num_threads()}, torch {torch.__version__}, transformers "
           f"{transformers.__version__}, python {platform.python_version()}, "
-          f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_', 'unset')}, load before {os.getloadavg()[0]:.2f}, "
+          f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_', 'unset')}, freed memory kept (the trainer's "
+          f"glibc setting): {kept}, load before {os.getloadavg()[0]:.2f}, "
           f"moetron kernels: {'fused (--fused)' if args.fused else 'defaults'}")
     rows = []
     for size in args.sizes.split(","):

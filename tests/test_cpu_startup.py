@@ -1,8 +1,9 @@
 """Start-up and thread choices of a one-process CPU run: the cached C++ library loads without
 `torch.utils.cpp_extension` (and only a copy built from these very inputs, owned by this user), and
-a small model trains on one intra-op thread."""
+a small model trains on one intra-op thread, a larger one keeps freed memory for reuse."""
 
 import os
+import resource
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from moetron.kernels import cpp_build
-from moetron.train import trainer
+from moetron.train import host
 
 
 def _require_cpp():
@@ -95,8 +96,45 @@ def test_small_models_train_on_one_intra_op_thread(monkeypatch, seq_len, hidden,
     lines = []
     try:
         torch.set_num_threads(2)
-        trainer._small_model_threads(_run(device, world), _sized(seq_len, hidden), lines.append)
+        host.small_model_threads(_run(device, world), _sized(seq_len, hidden), lines.append)
         assert torch.get_num_threads() == want
         assert bool(lines) == (want < 2) and all("activation elements per op" in line for line in lines)
     finally:
         torch.set_num_threads(threads)
+
+
+_FAULTS = """
+import resource, sys
+from types import SimpleNamespace
+import torch
+from moetron.train import host
+run = SimpleNamespace(device=torch.device("cpu"), ps=SimpleNamespace(world_size=1))
+run.device = torch.device(DEVICE)
+lines = []
+print(host.keep_freed_memory(run, lines.append), len(lines))
+x = torch.empty(16 << 20).uniform_()  # 64 MiB: over glibc's largest mmap threshold
+del x
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+y = torch.empty(16 << 20).uniform_()  # the same size again: fresh pages, or the freed ones?
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, float(y.sum()) != 0)
+"""
+
+
+@pytest.mark.parametrize("device,env,kept", [("cpu", None, True), ("meta", None, False), ("cpu", "65536", False)])
+def test_a_cpu_run_reuses_freed_memory_instead_of_page_faulting(device, env, kept):
+    """A 64 MiB tensor allocated again after a free page-faults ~16k times unless the setting is made;
+    a run off the CPU, or a MALLOC_* variable of the user's, leaves glibc as it is."""
+    import platform
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("the setting is glibc's")
+    environ = {k: v for k, v in os.environ.items() if k not in host.MALLOC_ENV}
+    environ["OMP_NUM_THREADS"] = "1"
+    if env is not None:
+        environ["MALLOC_MMAP_MAX_"] = env
+    out = subprocess.run([sys.executable, "-c", _FAULTS.replace("DEVICE", repr(device))], capture_output=True,
+                         text=True, env=environ, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (made, logged), (faults, nonzero) = (line.split() for line in out.stdout.split("\n")[:2])
+    assert (made, logged, nonzero) == (str(kept), str(int(kept)), "True"), out.stdout
+    pages = (64 << 20) // resource.getpagesize()
+    assert (int(faults) < pages // 16) if kept else (int(faults) > pages // 2), (faults, pages)

@@ -371,3 +371,37 @@ def test_fb_overlap_schedules_widen_the_search():
     pairs = {(c.schedule, c.fb_overlap) for c in wide.candidates() if c.ep > 1 and c.pp > 1}
     assert {("interleaved", True), ("interleaved", False)} <= pairs and ("zb1p", True) not in pairs
     assert moetron_main(["plan", "--recipe", "qwen3-moe-tiny", "--gpus", "2", "--fb-overlap-schedules", "zb1p"]) == 2
+
+
+def test_fp8_quantisation_launches_and_bytes_against_hand_count(monkeypatch):
+    """Under FP8 every GEMM input is quantised: Transformer Engine's current scaling takes three kernels per
+    tensor (amax, scale, cast) and quantises a grouped GEMM's inputs expert by expert (fused only under delayed
+    scaling). Qwen3-30B-A3B at ep 8 (16 local experts) on a B200, whose GPU work per layer is shorter than the
+    host's launches: the forward is the host time plus the dispatcher's sync, counted here by hand."""
+    from moetron.plan import cost
+    from moetron.plan.cost import (FP8_QUANT_BYTES, LAUNCH_S, SYNC_S, Setting, dense_quant_elements,
+                                   fp8_quant_launches, layer_time)
+
+    cfg = get_recipe("qwen3-moe-30b-a3b").model
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.num_experts) == (2048, 32, 128, 128)
+    assert cfg.moe_config().shared_expert_ffn_size == 0
+    assert fp8_quant_launches("tensorwise", 2, 16) == 3 * (2 + 2 * 16)
+    assert fp8_quant_launches("delayed", 2, 16) == 2 + 2 and fp8_quant_launches("blockwise", 4, 0) == 4
+    # attention: qkv input [T / tp, H], output projection input [T, heads x head_dim / tp]; no shared experts
+    assert dense_quant_elements(cfg, True, 4096, 2) == 4096 * (2048 + 32 * 128) / 2
+    assert dense_quant_elements(cfg, False, 4096, 1) == 4096 * (2048 + 32 * 128 + 2048 + cfg.intermediate_size)
+    cand = Candidate(ep=8)
+    timed = {r: layer_time(cfg, True, 1, cand, Setting(4096, "bf16", True, GPUS["b200"], 8, "cuda", "flex", r))
+             for r in ("tensorwise", "delayed")}
+    launches = 30 + 60 + 2 * 16 + 3 * (2 + 2 * 16)  # attention, MoE, 2 GEMMs per expert, the quantisations
+    assert timed["tensorwise"].F == pytest.approx(LAUNCH_S * launches + SYNC_S, rel=1e-9)
+    assert timed["delayed"].F < timed["tensorwise"].F
+    # on an H100 the GPU work sets the pace: the plain linears' quantisation adds its HBM bytes to F and twice
+    # them to B (the gradients), at HBM_EFFICIENCY = 0.8 of the H100's 3.35 TB/s
+    setting = Setting(4096, "bf16", True, GPUS["h100"], 8, "cuda", "flex", "blockwise")
+    fp8 = layer_time(cfg, True, 1, cand, setting)
+    monkeypatch.setattr(cost, "dense_quant_elements", lambda *args: 0.0)
+    without = layer_time(cfg, True, 1, cand, setting)
+    quant = 4096 * (2048 + 32 * 128) * FP8_QUANT_BYTES / (3.35e12 * 0.8)
+    assert fp8.F - without.F == pytest.approx(quant, rel=1e-9) and quant > 50e-6
+    assert fp8.B - without.B == pytest.approx(2 * quant, rel=1e-9) and fp8.W == without.W

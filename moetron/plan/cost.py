@@ -26,7 +26,9 @@ from moetron.plan.memory import _attention_params, layer_bytes
 CALIBRATION = 1.0
 EFFICIENCY = {k: v * CALIBRATION for k, v in {"dense": 0.75, "grouped": 0.65, "attention": 0.50}.items()}
 HALF = {"dense": 128, "grouped": 256}
-FP8_GEMM_SPEEDUP = 1.35  # achieved FP8 / BF16 GEMM speed (quantisation and scaling kernels included)
+# achieved FP8 / BF16 GEMM speed of the tensor-core work alone: the quantisation of the GEMM inputs is priced
+# apart (FP8_QUANT_BYTES, QUANT_KERNELS). An earlier, unsourced value, kept (docs/planning.md, Calibration).
+FP8_GEMM_SPEEDUP = 1.35
 MEMORY_PASSES = 4.0  # HBM traffic per byte saved for backward (written, re-read, elementwise in/out)
 LINK_EFFICIENCY = 0.75  # achieved / nominal link bandwidth for collectives and all-to-all
 LATENCY_S = 20e-6  # per collective / all-to-all call
@@ -55,6 +57,15 @@ HBM_EFFICIENCY = 0.8  # achieved / nominal HBM bandwidth of streaming kernels (c
 LAUNCH_S = 8e-6
 KERNELS = {"attention": 30, "mlp": 12, "moe": 60, "per_local_expert": 2}  # forward; backward launches twice
 SYNC_S = 30e-6  # the dispatcher's host sync on the token counts (dispatch/alltoall.py: one per MoE forward)
+# FP8 quantisation launches per GEMM input (forward; backward quantises the gradient outputs, launched with
+# the rest of backward's twice): Transformer Engine's current scaling ("tensorwise") runs nvte_compute_amax,
+# nvte_compute_scale_from_amax and nvte_quantize_v2 -- three kernels, the scale "cannot be fused with the
+# quantize kernel" (transformer_engine/pytorch/csrc/quantizer.cpp, Float8CurrentScalingQuantizer::quantize);
+# blockwise / MXFP8 compute their scales inside the one quantize kernel. Grouped (expert) GEMM inputs are
+# quantised expert by expert except under delayed scaling, the only recipe with a fused multi-tensor
+# cast-transpose (TransformerEngine PR #1525, transpose.cpp review thread; issue #2449: per-tensor grouped
+# quantisation not yet implemented).
+QUANT_KERNELS = {"tensorwise": 3, "delayed": 1, "blockwise": 1}
 
 
 def _s(x: float, half: float) -> float:
@@ -128,6 +139,27 @@ class Setting:
     per_node: int
     device: str  # "cuda" or "cpu": which attention path the activation formula follows
     dispatcher: str = "alltoall"  # parallel.dispatcher: alltoall (every routed row travels) or flex (DeepEP)
+    fp8_recipe: str = ""  # tensorwise, delayed or blockwise when fp8: how many kernels each quantisation takes
+
+
+def fp8_quant_launches(recipe: str, dense_inputs: int, local_experts: int) -> int:
+    """Forward kernel launches that quantise FP8 GEMM inputs: `dense_inputs` plain linears' inputs, and the two
+    inputs (fc1, fc2) of each of `local_experts` grouped GEMMs -- one per expert, fused only under delayed."""
+    per = QUANT_KERNELS.get(recipe, 1)
+    experts = 2 * (1 if recipe == "delayed" else local_experts) if local_experts else 0
+    return per * (dense_inputs + experts)
+
+
+def dense_quant_elements(c: ModelConfig, moe: bool, T: int, tp: int) -> float:
+    """Elements of the plain (non-expert) FP8 GEMM inputs of one layer and micro-batch on one rank, quantised
+    once each forward: the attention's qkv input (the local [T / tp, H] rows, gathered in FP8) and its output
+    projection's input (all T rows, the rank's heads), and the same pair for the dense MLP or shared experts."""
+    v = c.head_dim if c.attention_type == "gqa" else c.v_head_dim
+    n = T / tp * (c.hidden_size + c.num_attention_heads * v)
+    ffn = c.moe_config().shared_expert_ffn_size if moe else c.intermediate_size
+    if ffn:
+        n += T / tp * (c.hidden_size + ffn)
+    return n
 
 
 def _gemm(flops: float, eff: float, peak: float, fp8: bool) -> float:
@@ -187,13 +219,19 @@ def layer_time(c: ModelConfig, moe: bool, layer_idx: int, cand: Candidate, s: Se
     cp_f, cp_b = cp_time(c, cand, T, b, parts["core"], s.per_node,
                          lambda size, stride: group_link(size, stride, s.per_node, gpu))
     streamed = parts.pop("routed memory", 0.0)
+    if s.fp8:  # the plain linears' inputs quantised too (the experts' are in the routed-row bytes)
+        streamed += dense_quant_elements(c, moe, T, tp) * FP8_QUANT_BYTES / (gpu.hbm_tbps * 1e12 * HBM_EFFICIENCY)
     gemm = sum(t for k, t in parts.items() if k != "core")
     out = StageTime()
     out.F = gemm + parts["core"] + memory / 3 + streamed + tp_time + cp_f + ep_time
     out.W = gemm
     out.B = gemm + 2.5 * parts["core"] + 2 * memory / 3 + 2 * streamed + tp_time + cp_b + ep_time
-    host = LAUNCH_S * (KERNELS["attention"] + (KERNELS["moe"] + KERNELS["per_local_expert"] * c.num_experts //
-                                                cand.ep if moe else KERNELS["mlp"]))
+    local = c.num_experts // cand.ep if moe else 0
+    launches = KERNELS["attention"] + (KERNELS["moe"] + KERNELS["per_local_expert"] * local if moe else KERNELS["mlp"])
+    if s.fp8:
+        dense = 2 + (2 if not moe or c.moe_config().shared_expert_ffn_size else 0)
+        launches += fp8_quant_launches(s.fp8_recipe, dense, local)
+    host = LAUNCH_S * launches
     sync = SYNC_S if moe and cand.ep > 1 else 0.0
     out.F = max(out.F, host) + sync
     out.B = max(out.B, 2 * host)

@@ -93,7 +93,7 @@ class Planner:
         self.i = inputs
         c = inputs.config
         self.setting = Setting(inputs.seq, inputs.dtype, bool(inputs.fp8), inputs.gpu, inputs.per_node,
-                               inputs.device, inputs.dispatcher)
+                               inputs.device, inputs.dispatcher, inputs.fp8 or "")
         self.capacity = inputs.gpu.memory_gib * GiB - inputs.reserve_gib * GiB
         self.flops_per_token = training_flops_per_token(c, inputs.seq)
         self._costs = item_costs(c, inputs.seq)

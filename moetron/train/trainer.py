@@ -37,6 +37,7 @@ from moetron.checkpoint.save_dir import prepare_metrics_file, resume_point
 from moetron.checkpoint.verify import read_meta
 from moetron.data.builtin import TokenBatches, stdlib_corpus
 from moetron.moe.layer import load_summary
+from moetron.train.host import keep_freed_memory, small_model_threads
 from moetron.train.evaluation import Sampler, build_data, check_supported, validation_loss
 from moetron.train.metrics import MetricsLogger, describe_run
 from moetron.train.model_source import check_model_matches, checkpoint_source
@@ -63,33 +64,11 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
     say = log if run.is_main else (lambda s: None)
     threads = torch.get_num_threads()
     try:
-        _small_model_threads(run, recipe, say)
+        small_model_threads(run, recipe, say)
+        keep_freed_memory(run, say)
         return _train(recipe, run, hint, say, memory, source, log)
     finally:
         torch.set_num_threads(threads)
-
-
-SMALL_OP_ELEMENTS = 1 << 20  # activation elements per op (tokens x hidden) below which one thread is used
-
-
-def _small_model_threads(run: TrainingRun, recipe: Recipe, say) -> None:
-    """One-process CPU training of a small model: one intra-op thread.
-
-    Every op is an OpenMP parallel region whose threads meet at a barrier. At the default recipe's
-    sizes (1024 tokens x 64 hidden) a second thread saved no wall time (12.0 s with two, 11.5 s with
-    one, 2-core machine at load ~2) for twice the CPU time, and when another process deschedules it
-    every op stalls (47-179 s with two at load 3-5, 12-16 s with one). Decided from the sizes, never
-    from the machine's load, so a run and its resume compute alike; `OMP_NUM_THREADS` overrides.
-    """
-    t, cores = recipe.train, torch.get_num_threads()
-    if run.device.type != "cpu" or run.ps.world_size > 1 or "OMP_NUM_THREADS" in os.environ or cores < 2:
-        return
-    elements = t.micro_batch_size * t.seq_len * recipe.model.hidden_size
-    if elements < SMALL_OP_ELEMENTS:
-        torch.set_num_threads(1)
-        say(f"threads: 1 of {cores} intra-op threads ({elements:,} activation elements per op < "
-            f"{SMALL_OP_ELEMENTS:,}: a second thread only waits at every op's barrier; set OMP_NUM_THREADS "
-            "to choose)")
 
 
 def _train(recipe: Recipe, run: TrainingRun, hint: str, say, memory, source, log) -> list[dict]:

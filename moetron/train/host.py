@@ -1,0 +1,67 @@
+"""Host-side choices of a CPU run: intra-op threads and what the allocator does with freed memory.
+
+Neither depends on the machine's load, so a run and its resume
+compute alike; an environment variable the user set always wins, and each choice is logged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+import torch
+
+SMALL_OP_ELEMENTS = 1 << 20  # activation elements per op (tokens x hidden) below which a model is "small"
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD")
+
+
+def _elements(recipe) -> int:
+    t = recipe.train
+    return t.micro_batch_size * t.seq_len * recipe.model.hidden_size
+
+
+def _one_cpu_process(run) -> bool:
+    return run.device.type == "cpu" and run.ps.world_size == 1
+
+
+def small_model_threads(run, recipe, say) -> None:
+    """One-process CPU training of a small model: one intra-op thread.
+
+    Every op is an OpenMP parallel region whose threads meet at a barrier. At the default recipe's
+    sizes (1024 tokens x 64 hidden) a second thread saved little wall time for twice the CPU time,
+    and when another process deschedules it every op stalls (47-179 s with two at load 3-5, 12-16 s
+    with one). `OMP_NUM_THREADS` overrides.
+    """
+    cores = torch.get_num_threads()
+    if not _one_cpu_process(run) or "OMP_NUM_THREADS" in os.environ or cores < 2:
+        return
+    elements = _elements(recipe)
+    if elements < SMALL_OP_ELEMENTS:
+        torch.set_num_threads(1)
+        say(f"threads: 1 of {cores} intra-op threads ({elements:,} activation elements per op < "
+            f"{SMALL_OP_ELEMENTS:,}: a second thread only waits at every op's barrier; set OMP_NUM_THREADS "
+            "to choose)")
+
+
+def keep_freed_memory(run, say) -> bool:
+    """CPU training: freed tensors stay in the process (glibc only).
+
+    glibc hands tensors over 32 MiB (and, once trimmed, the heap's top) back to the kernel when they
+    are freed, so every step's fresh activations and gradients page-fault again: 14-17 % of a step of
+    the mid-size proxy (benchmarks/train_step.py; nothing measurable at the default recipe's sizes).
+    With mmap off and trimming off, a freed block is reused by the next step, as a caching allocator
+    would, and the process keeps its peak memory. Returns whether the setting was made; it
+    holds for the rest of the process. Any MALLOC_* variable or an LD_PRELOAD'ed allocator wins.
+    """
+    if run.device.type != "cpu":
+        return False
+    if any(name in os.environ for name in MALLOC_ENV) or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)  # this process's own symbols: glibc's malloc
+    if not (libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, -1) == 1):
+        return False
+    say("host memory: freed tensors kept for reuse, not page-faulted in again every step (glibc: no mmap, "
+        "no trim; set MALLOC_MMAP_MAX_ or MALLOC_TRIM_THRESHOLD_ to choose)")
+    return True
