@@ -81,6 +81,8 @@ def _sized(seq_len, hidden):
 
 @pytest.mark.parametrize("seq_len,hidden,env,device,world,want", [
     (128, 64, None, "cpu", 1, 1),      # the default recipe: one thread
+    (32, 512, None, "cpu", 1, 1),      # 131,072 elements per op: one thread
+    (64, 512, None, "cpu", 1, 2),      # 262,144: two (the mid-size proxy has 524,288)
     (512, 512, None, "cpu", 1, 2),     # a mid-size proxy: the threads torch chose
     (128, 64, "2", "cpu", 1, 2),       # OMP_NUM_THREADS decides
     (128, 64, None, "cpu", 2, 2),      # ranks of a torchrun: left alone
@@ -138,3 +140,28 @@ def test_a_cpu_run_reuses_freed_memory_instead_of_page_faulting(device, env, kep
     assert (made, logged, nonzero) == (str(kept), str(int(kept)), "True"), out.stdout
     pages = (64 << 20) // resource.getpagesize()
     assert (int(faults) < pages // 16) if kept else (int(faults) > pages // 2), (faults, pages)
+
+
+_LAUNCH = """
+import os, sys
+import moetron
+print("torch" in sys.modules)  # the package itself loads torch only on first use of MoELayer / MoEConfig
+from moetron import MoEConfig
+from moetron.__main__ import main
+sys.argv = ["moetron", "recipes"]
+code = main()
+print(code, os.environ.get("OMP_WAIT_POLICY"), MoEConfig.__name__)
+"""
+
+
+@pytest.mark.parametrize("env,want", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_command_line_sets_openmp_waiting_to_sleep_before_torch_loads(env, want):
+    """The policy is read when torch loads libgomp: `import moetron` must not load torch, and the
+    command line sets PASSIVE unless the user chose a policy."""
+    environ = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if env is not None:
+        environ["OMP_WAIT_POLICY"] = env
+    out = subprocess.run([sys.executable, "-c", _LAUNCH], capture_output=True, text=True, env=environ, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "False" and lines[-1] == f"0 {want} MoEConfig", out.stdout[-1000:]

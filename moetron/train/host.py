@@ -12,7 +12,7 @@ import platform
 
 import torch
 
-SMALL_OP_ELEMENTS = 1 << 20  # activation elements per op (tokens x hidden) below which a model is "small"
+SMALL_OP_ELEMENTS = 1 << 18  # activation elements per op (tokens x hidden) below which a model is "small"
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD")
 
@@ -30,9 +30,11 @@ def small_model_threads(run, recipe, say) -> None:
     """One-process CPU training of a small model: one intra-op thread.
 
     Every op is an OpenMP parallel region whose threads meet at a barrier. At the default recipe's
-    sizes (1024 tokens x 64 hidden) a second thread saved little wall time for twice the CPU time,
-    and when another process deschedules it every op stalls (47-179 s with two at load 3-5, 12-16 s
-    with one). `OMP_NUM_THREADS` overrides.
+    sizes (1024 tokens x 64 hidden = 65,536 elements) a second thread saves nothing: most ops are below
+    torch's parallel grain, the rest wait at the barrier. At the mid-size proxy's (1024 x 512) two
+    threads train 1.46x faster on a quiet 2-core machine (895 vs 615 tokens/s) and as fast as one
+    when another process is busy (546 vs 572), now that waiting threads sleep (moetron/__main__.py;
+    spinning, they ran 148). `OMP_NUM_THREADS` overrides.
     """
     cores = torch.get_num_threads()
     if not _one_cpu_process(run) or "OMP_NUM_THREADS" in os.environ or cores < 2:
