@@ -77,6 +77,16 @@ def _match(a: Candidate, b: Candidate) -> bool:
     return (a.tp, a.cp, a.ep, a.pp, a.schedule) == (b.tp, b.cp, b.ep, b.pp, b.schedule)
 
 
+def _runs(data: dict) -> list[dict]:
+    """The [[run]] rows, then each `release` entry: the row named by its `of` with the fields it gives replaced."""
+    by_name = {run["name"]: run for run in data["run"]}
+    unknown = [r["of"] for r in data.get("release", []) if r["of"] not in by_name]
+    if unknown:
+        raise SystemExit(f"{DATA}: release entries name no [[run]] row: {unknown}")
+    return data["run"] + [{**by_name[r["of"]], **{k: v for k, v in r.items() if k != "of"}}
+                          for r in data.get("release", [])]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-ranking", action="store_true", help="only predicted vs reported (fast)")
@@ -88,9 +98,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args_no_cache[0] = args.no_fp8_activation_cache
     args_activations[0] = args.activations
-    runs = tomllib.loads(DATA.read_text())["run"]
+    runs = _runs(tomllib.loads(DATA.read_text()))
     rows, errors, hopper_errors, ranks, fits = [], [], [], [], []
     rankings: dict[tuple, list] = {}
+    spread: dict[tuple, list] = {}  # one layout (model, cluster, sizes, schedule, precision) published more than once
     for run in runs:
         planner = _planner(run)
         cand = _candidate(run)
@@ -127,12 +138,23 @@ def main(argv=None) -> int:
         rows.append((run["name"], run["gpu"], run["gpus"], cand.describe().split(" schedule")[0], run["schedule"],
                      ev.cand.recompute_label, ev.memory_total / GiB, fit, ev.tokens_per_s_gpu, run["tokens_per_s_gpu"],
                      err, rank))
+        layout_key = (run["recipe"], str(run.get("set")), run["gpu"], run["gpus"], rows[-1][3], run["schedule"],
+                      run["precision"])
+        spread.setdefault(layout_key, []).append((run["tokens_per_s_gpu"], ev.tokens_per_s_gpu))
     print(f"{'run':<62} {'layout':<32} {'sched':<11} {'recompute':<28} {'GiB':>5} {'fit':>3} "
           f"{'pred':>6} {'rep':>6} {'err':>6} {'rank all/sizes/framework':>14}")
     for name, gpu, n, layout, sched, rec, gib, fit, pred, rep, err, rank in rows:
         layout = layout.replace(" etp=1", "")
         print(f"{name[:62]:<62} {layout[:32]:<32} {sched:<11} {rec[:28]:<28} {gib:5.1f} {'yes' if fit else 'NO':>3} "
               f"{pred:6.0f} {rep:6.0f} {err:+6.0%} {rank:>14}")
+    print("\nsame layout and precision, several rows (releases, publishers, batch differ): reported min-max, "
+          "predicted min-max")
+    for (recipe, _, gpu, n, layout, sched, precision), pairs in spread.items():
+        if len(pairs) > 1:
+            rep, pred = [p[0] for p in pairs], [p[1] for p in pairs]
+            print(f"  {recipe} {n} {gpu} {precision} {layout.replace(' etp=1', '')} {sched}: {len(pairs)} rows, "
+                  f"reported {min(rep):.0f}-{max(rep):.0f} ({max(rep) / min(rep):.2f}x), "
+                  f"predicted {min(pred):.0f}-{max(pred):.0f}")
     print(f"\n{len(rows)} runs; fit in memory: {sum(fits)}/{len(fits)}")
     if hopper_errors:
         within = sum(abs(e) <= 0.25 for e in hopper_errors)

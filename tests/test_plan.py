@@ -405,3 +405,25 @@ def test_fp8_quantisation_launches_and_bytes_against_hand_count(monkeypatch):
     quant = 4096 * (2048 + 32 * 128) * FP8_QUANT_BYTES / (3.35e12 * 0.8)
     assert fp8.F - without.F == pytest.approx(quant, rel=1e-9) and quant > 50e-6
     assert fp8.B - without.B == pytest.approx(2 * quant, rel=1e-9) and fp8.W == without.W
+
+
+def test_tp_collectives_per_layer_against_hand_count():
+    """Sequence parallel moves [T, H] per collective: attention all-gathers before qkv and reduce-scatters after
+    the output projection; a MoE block gathers once for the replicated router and returns the routed experts'
+    output in place (moe/tensor_parallel.py), so without shared experts a MoE layer pays 3 collectives each way,
+    with shared experts (a TP MLP: gather + reduce-scatter) or a dense MLP 4. H100: NVLink 450 GB/s x 0.75."""
+    from moetron.plan.cost import LATENCY_S, Setting, layer_time, tp_collectives
+
+    assert (tp_collectives(True, False), tp_collectives(True, True), tp_collectives(False, False)) == (3, 4, 4)
+    setting = Setting(4096, "bf16", False, GPUS["h100"], 8, "cuda", "flex")
+    one = 4096 * 4096 * 2 * (2 - 1) / 2 / (450e9 * 0.75)  # T x H x 2 bytes, tp 2: half of it crosses
+    qwen = get_recipe("qwen3-moe-235b-a22b").model
+    assert qwen.hidden_size == 4096 and qwen.moe_config().shared_expert_ffn_size == 0
+    t = layer_time(qwen, True, 1, Candidate(tp=2, ep=32), setting)
+    assert t.comm["tp"] == pytest.approx(2 * 3 * (one + LATENCY_S), rel=1e-9)  # forward and backward
+    ds = get_recipe("deepseek-v3-671b").model
+    one_ds = 4096 * ds.hidden_size * 2 / 2 / (450e9 * 0.75)
+    assert ds.moe_config().shared_expert_ffn_size > 0 and not ds.is_moe_layer(0) and ds.is_moe_layer(5)
+    for idx in (0, 5):
+        t = layer_time(ds, ds.is_moe_layer(idx), idx, Candidate(tp=2, ep=8), setting)
+        assert t.comm["tp"] == pytest.approx(2 * 4 * (one_ds + LATENCY_S), rel=1e-9)

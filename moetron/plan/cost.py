@@ -162,6 +162,15 @@ def dense_quant_elements(c: ModelConfig, moe: bool, T: int, tp: int) -> float:
     return n
 
 
+def tp_collectives(moe: bool, shared: bool) -> int:
+    """Sequence-parallel collectives of [T, H] per layer, forward (backward: as many, each one's transpose).
+    Attention: all-gather before the qkv projection, reduce-scatter after the output projection; a dense MLP
+    the same pair. A MoE block all-gathers once for the replicated router (and the shared experts' input);
+    the routed experts take this rank's own tokens and return them in place, so only shared experts add a
+    reduce-scatter (moe/tensor_parallel.py `tp_route`, `tp_output`; model/attention.py)."""
+    return 2 + (1 + shared if moe else 2)
+
+
 def _gemm(flops: float, eff: float, peak: float, fp8: bool) -> float:
     return flops / (peak * eff * (FP8_GEMM_SPEEDUP if fp8 else 1.0))
 
@@ -214,8 +223,9 @@ def layer_time(c: ModelConfig, moe: bool, layer_idx: int, cand: Candidate, s: Se
                         s.device)
     memory = MEMORY_PASSES * saved / (gpu.hbm_tbps * 1e12)
     tp_time = 0.0
-    if tp > 1:  # all-gather + reduce-scatter around attention and around the MLP / MoE block
-        tp_time = 4 * T * H * b * (tp - 1) / tp / group_link(tp, 1, s.per_node, gpu) + 4 * LATENCY_S
+    if tp > 1:
+        n = tp_collectives(moe, moe and bool(c.moe_config().shared_expert_ffn_size))
+        tp_time = n * T * H * b * (tp - 1) / tp / group_link(tp, 1, s.per_node, gpu) + n * LATENCY_S
     cp_f, cp_b = cp_time(c, cand, T, b, parts["core"], s.per_node,
                          lambda size, stride: group_link(size, stride, s.per_node, gpu))
     streamed = parts.pop("routed memory", 0.0)
