@@ -1,7 +1,7 @@
 """Forward+backward time of `moetron.MoELayer` beside transformers' Qwen3-MoE block and a dense ceiling.
 
     python benchmarks/moe_layer.py                      # the issue's sizes: T=4096 H=1024 F=512 E=32 k=4
-    MALLOC_MMAP_MAX_=0 python benchmarks/moe_layer.py   # the same without mmap'd allocations (see below)
+    MALLOC_MMAP_MAX_=0 python benchmarks/moe_layer.py   # glibc's mmap off, trimming on (see below)
     python benchmarks/moe_layer.py --quick              # tiny sizes, a few seconds
     python benchmarks/moe_layer.py --tokens 8192 --experts 64 --topk 8   # other sizes (--hidden, --ffn too)
     python benchmarks/moe_layer.py --skip "hf eager" --repeats 30        # leave out the slow loop, more samples
@@ -59,8 +59,10 @@ after; when it is well above `--threads`, trust the min column and repeat the ru
 Allocator noise: with glibc's default malloc, every tensor over 32 MiB (the adaptive mmap
 threshold's ceiling) is a fresh mmap whose first touch page-faults, and freeing it unmaps it —
 15-20 % of run-to-run noise on this machine (the [T*k, H] fp32 buffers are 64 MiB, the expert
-weight gradients 128 and 64 MiB). Also run the benchmark with `MALLOC_MMAP_MAX_=0`, which keeps
-large blocks on the heap where freed memory is reused, and report both tables.
+weight gradients 128 and 64 MiB). On the CPU the script first makes the setting `moetron train` makes
+(moetron/train/host.py: mmap and trimming off, so freed memory is reused), for every candidate alike;
+any MALLOC_* variable turns it off (`MALLOC_MMAP_MAX_=0` alone keeps large blocks on the heap, but
+glibc still trims its top).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ import os
 import platform
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +84,7 @@ from moetron import MoEConfig, MoELayer  # noqa: E402
 from moetron.kernels.fused_swiglu import resolve as resolve_swiglu  # noqa: E402
 from moetron.moe.config import EXPERT_BACKENDS  # noqa: E402
 from moetron.moe.grouped_gemm import resolve_backend  # noqa: E402
+from moetron.train.host import keep_freed_memory  # noqa: E402
 
 QUICK = dict(tokens=256, hidden=128, ffn=64, experts=8, topk=2, repeats=3, warmup=1)
 CANDIDATES = ("moetron", "hf eager", "hf grouped_mm", "ceiling", "router only")
@@ -355,6 +359,7 @@ def main(argv=None) -> dict[str, float]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    kept = keep_freed_memory(SimpleNamespace(device=torch.device(args.device)), lambda line: None)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     device = torch.device(args.device)
     T, H, F_, E, K = args.tokens, args.hidden, args.ffn, args.experts, args.topk
@@ -384,7 +389,8 @@ def main(argv=None) -> dict[str, float]:
           f"{args.dtype} {device}{' ' + torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}, "
           f"random inputs (seed {args.seed})")
     print(f"torch {torch.__version__}  transformers {hf_version or '-'}  threads {torch.get_num_threads()}  "
-          f"python {platform.python_version()}  MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_', 'unset')}")
+          f"python {platform.python_version()}  MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_', 'unset')}  "
+          f"freed memory kept (moetron train's glibc setting): {kept}")
     swiglu = resolve_swiglu(args.swiglu_impl, device)
     gemm = resolve_backend(layer.experts.backend, x.detach().reshape(-1, H), layer.experts.gate_up_proj)
     print(f"repeats {args.repeats} after {args.warmup} warm-up, round-robin; "
