@@ -3,8 +3,9 @@
 OpenMP threads that wait at a barrier sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`, unless
 set): a spinning thread holds its core, so when another process shares the machine the partner it
 waits for cannot run, and every op stalls (the mid-size proxy on two threads of a 2-core machine
-with one other busy process: 123 tokens/s spinning, 559-581 sleeping, 577-588 on one thread). The
-policy is read once, when torch loads its OpenMP runtime, so it is set before anything imports torch.
+beside one busy process: 123-149 tokens/s spinning, 546-653 sleeping, 572-588 on one thread). On a
+machine of its own spinning is ~15 % faster there (1139-1152 vs 963-976): `OMP_WAIT_POLICY=ACTIVE`.
+The policy is read once, when torch loads its OpenMP runtime, so it is set before torch is imported.
 """
 
 import os
