@@ -1,7 +1,7 @@
 """Host-side choices of a CPU run: intra-op threads and what the allocator does with freed memory.
 
-Neither depends on the machine's load, so a run and its resume
-compute alike; an environment variable the user set always wins, and each choice is logged.
+Neither depends on the machine's load, so a run and its resume compute alike; an environment
+variable the user set always wins, and each choice is logged.
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ def keep_freed_memory(run, say) -> bool:
     the mid-size proxy (benchmarks/train_step.py; nothing measurable at the default recipe's sizes).
     With mmap off and trimming off, a freed block is reused by the next step, as a caching allocator
     would, and the process keeps its peak memory. torch's 64-byte aligned blocks leave the first few
-    freed ones a little too small for the same request, so the heap settles after a few steps (the
-    mid-size proxy: no new page faults after step 1, max RSS unchanged, 1.42 GB). Returns whether the setting was made; it
-    holds for the rest of the process. Any MALLOC_* variable or an LD_PRELOAD'ed allocator wins.
+    freed ones a little too small for the same request, so the heap settles after warm-up (the
+    mid-size proxy: the same page faults over 8 and 24 steps, max RSS unchanged at 1.42 GB).
+    Returns whether the setting was made; it holds for the rest of the process. Any MALLOC_*
+    variable or an LD_PRELOAD'ed allocator wins.
     """
     if run.device.type != "cpu":
         return False
