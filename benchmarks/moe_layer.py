@@ -72,7 +72,6 @@ import os
 import platform
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -359,9 +358,9 @@ def main(argv=None) -> dict[str, float]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    kept = keep_freed_memory(SimpleNamespace(device=torch.device(args.device)), lambda line: None)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     device = torch.device(args.device)
+    kept = keep_freed_memory(device, lambda line: None)
     T, H, F_, E, K = args.tokens, args.hidden, args.ffn, args.experts, args.topk
     load_before = _load()
 

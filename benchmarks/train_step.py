@@ -126,12 +126,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     import transformers
-    from types import SimpleNamespace
-
     from moetron.train.host import keep_freed_memory
 
     # what `moetron train` does on a CPU (unless a MALLOC_* variable is set): for both sides, one process
-    kept = keep_freed_memory(SimpleNamespace(device=torch.device("cpu")), lambda line: None)
+    kept = keep_freed_memory(torch.device("cpu"), lambda line: None)
 
     print(f"one training step, fp32 CPU, threads {torch.get_num_threads()}, torch {torch.__version__}, transformers "
           f"{transformers.__version__}, python {platform.python_version()}, "

@@ -106,14 +106,11 @@ def test_small_models_train_on_one_intra_op_thread(monkeypatch, seq_len, hidden,
 
 
 _FAULTS = """
-import resource, sys
-from types import SimpleNamespace
+import resource
 import torch
 from moetron.train import host
-run = SimpleNamespace(device=torch.device("cpu"), ps=SimpleNamespace(world_size=1))
-run.device = torch.device(DEVICE)
 lines = []
-print(host.keep_freed_memory(run, lines.append), len(lines))
+print(host.keep_freed_memory(torch.device(DEVICE), lines.append), len(lines))
 faults = []
 for _ in range(24):  # a step's pattern, repeated: a 64 MiB tensor (over glibc's largest mmap threshold)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -125,7 +122,9 @@ print(sum(faults[-6:]), len(faults))
 """
 
 
-@pytest.mark.parametrize("device,env,kept", [("cpu", None, True), ("meta", None, False), ("cpu", "65536", False)])
+@pytest.mark.parametrize("device,env,kept", [("cpu", None, True), ("meta", None, False),
+                                             ("cpu", ("MALLOC_MMAP_MAX_", "65536"), False),
+                                             ("cpu", ("MALLOC_ARENA_MAX", "2"), False)])
 def test_a_cpu_run_reuses_freed_memory_instead_of_page_faulting(device, env, kept):
     """A 64 MiB tensor allocated again after a free page-faults in all its 16k pages every time unless
     the setting is made; with it, once the heap has settled (torch's 64-byte aligned blocks leave the
@@ -134,10 +133,10 @@ def test_a_cpu_run_reuses_freed_memory_instead_of_page_faulting(device, env, kep
     import platform
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("the setting is glibc's")
-    environ = {k: v for k, v in os.environ.items() if k not in host.MALLOC_ENV}
+    environ = {k: v for k, v in os.environ.items() if not host.user_chose_allocator({k: v})}
     environ["OMP_NUM_THREADS"] = "1"
     if env is not None:
-        environ["MALLOC_MMAP_MAX_"] = env
+        environ[env[0]] = env[1]
     out = subprocess.run([sys.executable, "-c", _FAULTS.replace("DEVICE", repr(device))], capture_output=True,
                          text=True, env=environ, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -14,7 +14,6 @@ import torch
 
 SMALL_OP_ELEMENTS = 1 << 18  # activation elements per op (tokens x hidden) below which a model is "small"
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
-MALLOC_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD")
 
 
 def _elements(recipe) -> int:
@@ -47,7 +46,12 @@ def small_model_threads(run, recipe, say) -> None:
             "to choose)")
 
 
-def keep_freed_memory(run, say) -> bool:
+def user_chose_allocator(environ) -> bool:
+    """glibc's MALLOC_* tunables, or another allocator preloaded: the user's choice stands."""
+    return "LD_PRELOAD" in environ or any(name.startswith("MALLOC_") for name in environ)
+
+
+def keep_freed_memory(device: torch.device, say) -> bool:
     """CPU training: freed tensors stay in the process (glibc only).
 
     glibc hands tensors over 32 MiB (and, once trimmed, the heap's top) back to the kernel when they
@@ -60,9 +64,9 @@ def keep_freed_memory(run, say) -> bool:
     Returns whether the setting was made; it holds for the rest of the process. Any MALLOC_*
     variable or an LD_PRELOAD'ed allocator wins.
     """
-    if run.device.type != "cpu":
+    if device.type != "cpu":
         return False
-    if any(name in os.environ for name in MALLOC_ENV) or platform.libc_ver()[0] != "glibc":
+    if user_chose_allocator(os.environ) or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)  # this process's own symbols: glibc's malloc
     if not (libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, -1) == 1):

@@ -65,7 +65,7 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
     threads = torch.get_num_threads()
     try:
         small_model_threads(run, recipe, say)
-        keep_freed_memory(run, say)
+        keep_freed_memory(run.device, say)
         return _train(recipe, run, hint, say, memory, source, log)
     finally:
         torch.set_num_threads(threads)
