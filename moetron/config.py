@@ -228,7 +228,9 @@ class TrainConfig:
     num_layers_at_end_in_bf16: int = 1
     dtype: str = "fp32"  # parameters: fp32, or bf16 (with fp32 gradients, master weights and moments)
     device: str = "auto"  # auto (this rank's GPU when CUDA is available, else the CPU), cpu, cuda
-    fusion: str = "none"  # elementwise kernels: none (eager reference) or compile (torch.compile'd, same math)
+    # elementwise kernels: auto (cpp on a CPU, else none), none (eager reference), cpp (C++ RMSNorm and RoPE,
+    # CPU tensors), compile (torch.compile'd, same math)
+    fusion: str = "auto"
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: "stop" (raise) or "skip" the update
     collective_timeout_s: float = 1800.0  # how long a collective waits for a dead or stuck rank
     global_batch_size: int | None = None  # sequences per step; sets grad_accum = global / (dp x micro_batch_size)
@@ -270,8 +272,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be >= 0")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"TrainConfig.dtype={self.dtype!r}: choose fp32 or bf16")
-        if self.fusion not in ("none", "compile"):
-            raise ValueError(f"TrainConfig.fusion={self.fusion!r}: choose none or compile")
+        if self.fusion not in ("auto", "none", "cpp", "compile"):
+            raise ValueError(f"TrainConfig.fusion={self.fusion!r}: choose auto, none, cpp or compile")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"TrainConfig.device={self.device!r}: choose auto, cpu or cuda")
         if self.on_nonfinite not in ("stop", "skip"):

@@ -22,3 +22,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def eager_fusion_after_each_test():
+    """`build_run` sets the process-wide fusion mode (`train.fusion=auto` takes the C++ kernels on
+    a CPU); each test starts from the library's default, the eager reference."""
+    yield
+    from moetron.ops import set_fusion
+
+    set_fusion("none")

@@ -1,6 +1,6 @@
 """Small math kernels (RMSNorm, SwiGLU, RoPE, cross-entropy) behind one fusion switch."""
 
-from moetron.ops.functional import (apply_rope, cross_entropy, fusion_mode, rms_norm, set_fusion,
-                                    swiglu)
+from moetron.ops.functional import (apply_rope, cross_entropy, fusion_mode, resolve_fusion, rms_norm,
+                                    set_fusion, swiglu)
 
-__all__ = ["apply_rope", "cross_entropy", "fusion_mode", "rms_norm", "set_fusion", "swiglu"]
+__all__ = ["apply_rope", "cross_entropy", "fusion_mode", "resolve_fusion", "rms_norm", "set_fusion", "swiglu"]

@@ -3,7 +3,9 @@
 The unfused bodies are the reference (they match Hugging Face transformers'
 numerics). `set_fusion("compile")` routes the same calls through `torch.compile`d
 versions of the same bodies, so a fused kernel never changes the math written
-here. Library kernels (Liger, Transformer Engine) plug in the same way.
+here; `set_fusion("cpp")` sends fp32/fp64 CPU RMSNorm and RoPE to one C++ pass each way
+(moetron/kernels/norm_rope_cpu.py: RoPE bit for bit, RMSNorm within a few ulp).
+Library kernels (Liger, Transformer Engine) plug in the same way.
 
 Eagerly (`none`), fp32 RMSNorm and halves-layout RoPE run as autograd Functions: the reference's
 forward ops without an autograd node each, and a hand-written backward (RMSNorm: about 9 ops where
@@ -18,18 +20,21 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moetron.kernels import fused_swiglu
+from moetron.kernels import cpp_build, fused_swiglu, norm_rope_cpu
 
-FUSION_MODES = ("none", "compile")
+FUSION_MODES = ("none", "cpp", "compile")
 _mode = "none"
 _compiled: dict[str, Callable] = {}
 
 
 def set_fusion(mode: str) -> None:
-    """Choose `none` (reference eager ops) or `compile` (torch.compile'd kernels)."""
+    """Choose `none` (reference eager ops), `cpp` (C++ RMSNorm and RoPE on CPU tensors, built on
+    first use: raises `CppBuildError` when it cannot be) or `compile` (torch.compile'd kernels)."""
     global _mode
     if mode not in FUSION_MODES:
         raise ValueError(f"fusion mode {mode!r} is unknown; choose one of {FUSION_MODES}")
+    if mode == "cpp":
+        norm_rope_cpu.ops()
     _mode = mode
 
 
@@ -37,8 +42,33 @@ def fusion_mode() -> str:
     return _mode
 
 
+def resolve_fusion(mode: str, device: torch.device) -> tuple[str, str | None]:
+    """The mode a run on `device` takes for `train.fusion=mode`, and a one-line notice or None.
+
+    `auto`: `cpp` on a CPU when moetron's C++ library builds here (it holds the CPU grouped GEMM
+    too), else `none` with the reason; `none` on a GPU. `cpp` on a GPU, or where it cannot
+    build, is an error naming the fix."""
+    if mode not in ("auto", *FUSION_MODES):
+        raise ValueError(f"train.fusion={mode!r} is unknown; choose auto or one of {FUSION_MODES}")
+    if mode not in ("auto", "cpp"):
+        return mode, None
+    if device.type != "cpu":
+        if mode == "cpp":
+            raise ValueError(f"train.fusion=cpp runs CPU tensors, but this run is on {device.type}; "
+                             "use train.fusion=auto, none or compile")
+        return "none", None
+    try:
+        norm_rope_cpu.ops()
+    except cpp_build.CppBuildError as exc:
+        if mode == "cpp":
+            raise ValueError(f"train.fusion=cpp: moetron's C++ kernels cannot be built here ({exc}); "
+                             "use train.fusion=none") from None
+        return "none", f"fusion: eager RMSNorm and RoPE ({exc})"
+    return "cpp", None
+
+
 def _dispatch(name: str, reference: Callable) -> Callable:
-    if _mode == "none":
+    if _mode != "compile":
         return reference
     if name not in _compiled:
         _compiled[name] = torch.compile(reference, dynamic=True)
@@ -129,7 +159,11 @@ def _cross_entropy_ref(logits: torch.Tensor, labels: torch.Tensor, ignore_index:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm_eager(x, weight, eps) if _mode == "none" else _dispatch("rms_norm", _rms_norm_ref)(x, weight, eps)
+    if _mode == "compile":
+        return _dispatch("rms_norm", _rms_norm_ref)(x, weight, eps)
+    if _mode == "cpp" and norm_rope_cpu.rms_norm_applies(x, weight):
+        return norm_rope_cpu.RMSNormFunction.apply(x, weight, eps)
+    return _rms_norm_eager(x, weight, eps)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -151,8 +185,12 @@ def weighted_swiglu(gate_up: torch.Tensor, probs: torch.Tensor | None = None, im
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    return _rope_eager(x, cos, sin, interleaved) if _mode == "none" else _dispatch("rope", _rope_ref)(x, cos, sin,
-                                                                                                    interleaved)
+    if _mode == "compile":
+        return _dispatch("rope", _rope_ref)(x, cos, sin, interleaved)
+    if (_mode == "cpp" and not interleaved and not (cos.requires_grad or sin.requires_grad)
+            and norm_rope_cpu.rope_applies(x, cos, sin)):
+        return norm_rope_cpu.RopeFunction.apply(x, cos.unsqueeze(1), sin.unsqueeze(1))
+    return _rope_eager(x, cos, sin, interleaved)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -25,7 +25,7 @@ from moetron.backends import backend_status
 from moetron.dispatch.permute import impl_status, set_permute_impl
 from moetron.model.model import MoETransformer
 from moetron.model.parallelize import parallelize
-from moetron.ops import set_fusion
+from moetron.ops import resolve_fusion, set_fusion
 from moetron.optim import DistributedOptimizer, ReplicatedAdamW
 from moetron.optim.adamw import AdamW
 from moetron.optim.fsdp import ShardedAdamW
@@ -287,7 +287,10 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
         raise ValueError(f"train.dtype={t.dtype} needs parallel.distributed_optimizer=true: it keeps the fp32 "
                          "master weights that low-precision parameters need")
     device = resolve_device(t.device)
-    set_fusion(t.fusion)  # process-wide: RMSNorm, SwiGLU, RoPE, cross-entropy
+    fusion, notice = resolve_fusion(t.fusion, device)
+    if notice and log is not None:
+        log(notice)
+    set_fusion(fusion)  # process-wide: RMSNorm, SwiGLU, RoPE, cross-entropy
     if t.permute_impl is not None:  # the recipe's choice over $MOETRON_PERMUTE_IMPL
         set_permute_impl(t.permute_impl)
     ps = init_from_env(p)

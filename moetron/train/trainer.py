@@ -37,6 +37,7 @@ from moetron.checkpoint.save_dir import prepare_metrics_file, resume_point
 from moetron.checkpoint.verify import read_meta
 from moetron.data.builtin import TokenBatches, stdlib_corpus
 from moetron.moe.layer import load_summary
+from moetron.ops import fusion_mode, set_fusion
 from moetron.train.host import keep_freed_memory, small_model_threads
 from moetron.train.evaluation import Sampler, build_data, check_supported, validation_loss
 from moetron.train.metrics import MetricsLogger, describe_run
@@ -60,15 +61,16 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
     source = checkpoint_source(recipe)  # the checkpoint's config is the model
     if source is not None:
         check_model_matches(recipe, source)
-    run, hint = _start(recipe, log)
-    say = log if run.is_main else (lambda s: None)
-    threads = torch.get_num_threads()
+    threads, fusion = torch.get_num_threads(), fusion_mode()
     try:
+        run, hint = _start(recipe, log)
+        say = log if run.is_main else (lambda s: None)
         small_model_threads(run, recipe, say)
         keep_freed_memory(run.device, say)
         return _train(recipe, run, hint, say, memory, source, log)
-    finally:
+    finally:  # the caller's process-wide settings, as they were before the run
         torch.set_num_threads(threads)
+        set_fusion(fusion)
 
 
 def _train(recipe: Recipe, run: TrainingRun, hint: str, say, memory, source, log) -> list[dict]:

@@ -1,0 +1,73 @@
+"""RMSNorm and halves-layout RoPE as one C++ pass each way, for fp32/fp64 CPU tensors.
+
+`moetron.ops` routes to these under `set_fusion("cpp")` (the trainer's `train.fusion=auto` on a
+CPU). A small model's step is mostly per-op cost: the eager RMSNorm is ~10 ops each way, RoPE ~6,
+each costing more than its arithmetic. RoPE here equals the torch reference bit for bit; RMSNorm
+sums its squares in SIMD order, within a few ulp of it (moetron/csrc/rmsnorm_rope_cpu.cpp;
+the bounds are in tests/test_norm_rope_cpp.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from moetron.kernels import cpp_build
+
+DTYPES = (torch.float32, torch.float64)
+
+
+def ops():
+    """`torch.ops.moetron_norm`, building the C++ library on first use (raises `CppBuildError`)."""
+    cpp_build.load_permute_ops()
+    return torch.ops.moetron_norm
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """x [..., H] and weight [H] of one dtype in DTYPES; saves x, weight and the 1/rms per row."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rows = x.reshape(-1, x.shape[-1])  # a view for the contiguous inputs the model passes
+        y, rstd = ops().rms_forward(rows.contiguous(), weight.contiguous(), eps)
+        ctx.save_for_backward(rows, weight, rstd)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        rows, weight, rstd = ctx.saved_tensors
+        grad_x, grad_w = ops().rms_backward(grad.reshape(rows.shape), rows.contiguous(), weight.contiguous(), rstd,
+                                            ctx.needs_input_grad[1])
+        return grad_x.view(ctx.shape), grad_w, None
+
+
+class RopeFunction(torch.autograd.Function):
+    """x [B, heads, S, d] (unit stride on d), cos/sin [B or 1, 1, S, d] without grad; the output
+    is laid out like x."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return ops().rope(x, cos, sin, False)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        if grad.stride(-1) != 1:
+            grad = grad.contiguous()
+        return ops().rope(grad, cos, sin, True), None, None
+
+
+def rms_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in DTYPES and x.shape[-1] == weight.numel()
+
+
+def rope_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `RopeFunction` takes x with cos/sin [B or 1, S, d] (before their head dimension is added)."""
+    return (x.device.type == "cpu" and x.dim() == 4 and x.dtype == cos.dtype == sin.dtype and x.dtype in DTYPES
+            and cos.shape == sin.shape
+            and x.stride(-1) == 1 and x.shape[-1] % 2 == 0 and cos.dim() == 3
+            and cos.shape[0] in (1, x.shape[0]) and tuple(cos.shape[1:]) == tuple(x.shape[2:]))

@@ -1,0 +1,124 @@
+"""The C++ RMSNorm and RoPE (`train.fusion=cpp`, the CPU default through `auto`) against the eager
+reference bodies of moetron/ops/functional.py: RoPE bit for bit, RMSNorm within a few ulp, both
+gradients checked numerically in float64."""
+
+import pytest
+import torch
+
+from moetron import ops
+from moetron.kernels import cpp_build, norm_rope_cpu
+from moetron.ops import functional as fn
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpp_kernels():
+    ok, reason = cpp_build.cpp_status(build=True)
+    if not ok:
+        pytest.skip(f"moetron's C++ kernels cannot be built here: {reason}")
+
+
+@pytest.fixture
+def fusion():
+    yield ops.set_fusion
+    ops.set_fusion("none")
+
+
+def _q_like(B=3, S=20, heads=4, d=16, seed=0):
+    """A [B, heads, S, d] transposed view, as the attention hands RoPE its queries."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, S, heads, d, generator=g).transpose(1, 2)
+
+
+def _cos_sin(B, S, d, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    angles = torch.randn(B, S, d // 2, generator=g) * 3
+    angles = torch.cat((angles, angles), dim=-1)  # halves layout: each frequency twice
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("cos_batch", [1, 3])
+def test_rope_equals_the_reference_bit_for_bit(cos_batch, fusion):
+    x = _q_like().requires_grad_()
+    cos, sin = _cos_sin(cos_batch, 20, 16)
+    grad = torch.randn(3, 4, 20, 16)
+    ref = fn._rope_ref(x, cos, sin, False)
+    (ref_grad,) = torch.autograd.grad(ref, x, grad)
+    fusion("cpp")
+    out = ops.apply_rope(x, cos, sin)
+    assert out.grad_fn is not None and "Rope" in type(out.grad_fn).__name__  # the C++ path ran
+    (out_grad,) = torch.autograd.grad(out, x, grad)
+    assert torch.equal(out, ref) and out.stride() == ref.stride()
+    assert torch.equal(out_grad, ref_grad)
+    # the gradient as the attention's backward hands it over: not contiguous
+    (strided_grad,) = torch.autograd.grad(ops.apply_rope(x, cos, sin), x, grad.transpose(1, 2).contiguous().transpose(1, 2))
+    assert torch.equal(strided_grad, ref_grad)
+
+
+def test_rms_norm_within_a_few_ulp_of_the_reference(fusion):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(6, 33, 64, generator=g) * 3).requires_grad_()
+    w = (1 + 0.3 * torch.randn(64, generator=g)).requires_grad_()
+    grad = torch.randn(6, 33, 64, generator=g)
+    ref = fn._rms_norm_ref(x, w, 1e-6)
+    ref_gx, ref_gw = torch.autograd.grad(ref, (x, w), grad)
+    fusion("cpp")
+    out = ops.rms_norm(x, w, 1e-6)
+    assert "RMSNorm" in type(out.grad_fn).__name__ and out.shape == x.shape
+    gx, gw = torch.autograd.grad(out, (x, w), grad)
+    eps = torch.finfo(torch.float32).eps
+    # rstd comes from a sum of squares in another order: a few ulp on every element.
+    assert ((out - ref).abs() <= 4 * eps * ref.abs() + 1e-30).all()
+    assert ((gx - ref_gx).abs() <= 64 * eps * ref_gx.abs().max()).all()
+    assert ((gw - ref_gw).abs() <= 64 * eps * ref_gw.abs().max()).all()
+    assert not torch.equal(gx, torch.zeros_like(gx))
+
+
+def test_gradients_agree_with_finite_differences_in_float64():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: norm_rope_cpu.RMSNormFunction.apply(a, b, 1e-5), (x, w))
+    q = torch.randn(2, 5, 3, 8, dtype=torch.float64, generator=g).transpose(1, 2).requires_grad_()
+    cos, sin = (t.double().unsqueeze(1) for t in _cos_sin(2, 5, 8))
+    assert torch.autograd.gradcheck(lambda a: norm_rope_cpu.RopeFunction.apply(a, cos, sin), (q,))
+
+
+def test_weight_gradient_has_the_same_bits_on_any_thread_count():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1000, 48, generator=g)
+    w, grad = torch.randn(48, generator=g), torch.randn(1000, 48, generator=g)
+    kernels = norm_rope_cpu.ops()
+    _, rstd = kernels.rms_forward(x, w, 1e-6)
+    results = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        results.append(kernels.rms_backward(grad, x, w, rstd, True))
+    torch.set_num_threads(1)
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(r, results[0]))
+
+
+def test_other_dtypes_and_layouts_take_the_reference(fusion):
+    fusion("cpp")
+    x, w = torch.randn(4, 16).bfloat16(), torch.ones(16).bfloat16()
+    assert torch.equal(ops.rms_norm(x, w, 1e-6), fn._rms_norm_ref(x, w, 1e-6))
+    q, (cos, sin) = _q_like(d=8), _cos_sin(1, 20, 8)
+    assert torch.equal(ops.apply_rope(q, cos, sin, interleaved=True), fn._rope_ref(q, cos, sin, True))
+
+
+def test_auto_takes_cpp_on_a_cpu_and_says_why_not_when_it_cannot(monkeypatch):
+    assert ops.resolve_fusion("auto", torch.device("cpu")) == ("cpp", None)
+    assert ops.resolve_fusion("auto", torch.device("cuda")) == ("none", None)
+    assert ops.resolve_fusion("compile", torch.device("cpu")) == ("compile", None)
+    with pytest.raises(ValueError, match="train.fusion=cpp runs CPU tensors"):
+        ops.resolve_fusion("cpp", torch.device("cuda"))
+
+    def no_compiler():
+        raise cpp_build.CppBuildError("no C++ compiler: 'c++' is not on PATH (install g++ or set CXX)")
+
+    monkeypatch.setattr(norm_rope_cpu, "ops", no_compiler)
+    mode, notice = ops.resolve_fusion("auto", torch.device("cpu"))
+    assert mode == "none" and "no C++ compiler" in notice
+    with pytest.raises(ValueError, match="train.fusion=cpp: .*no C\\+\\+ compiler.*train.fusion=none"):
+        ops.resolve_fusion("cpp", torch.device("cpu"))
