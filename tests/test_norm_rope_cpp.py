@@ -122,3 +122,18 @@ def test_auto_takes_cpp_on_a_cpu_and_says_why_not_when_it_cannot(monkeypatch):
     assert mode == "none" and "no C++ compiler" in notice
     with pytest.raises(ValueError, match="train.fusion=cpp: .*no C\\+\\+ compiler.*train.fusion=none"):
         ops.resolve_fusion("cpp", torch.device("cpu"))
+
+
+def test_a_cpu_run_takes_them_and_leaves_the_callers_mode(monkeypatch):
+    from moetron.recipes import apply_overrides, get_recipe
+    from moetron.train.trainer import train
+
+    calls = []
+    apply = norm_rope_cpu.RMSNormFunction.apply
+    monkeypatch.setattr(norm_rope_cpu.RMSNormFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    recipe = apply_overrides(get_recipe("qwen3-moe-tiny"), ["model.num_layers=1", "train.steps=1",
+                                                            "train.seq_len=16", "train.micro_batch_size=2"])
+    assert recipe.train.fusion == "auto"
+    train(recipe, log=lambda s: None)
+    assert calls  # train.fusion=auto took the C++ kernels on the CPU
+    assert ops.fusion_mode() == "none"  # and gave the process back its mode
