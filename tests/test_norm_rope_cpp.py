@@ -137,3 +137,10 @@ def test_a_cpu_run_takes_them_and_leaves_the_callers_mode(monkeypatch):
     train(recipe, log=lambda s: None)
     assert calls  # train.fusion=auto took the C++ kernels on the CPU
     assert ops.fusion_mode() == "none"  # and gave the process back its mode
+
+
+def test_a_strided_input_takes_the_eager_function_which_saves_no_copy(fusion):
+    fusion("cpp")
+    x = torch.randn(4, 16, 6).transpose(1, 2).requires_grad_()  # [4, 6, 16], not contiguous
+    w = torch.randn(16)
+    assert type(ops.rms_norm(x, w, 1e-6).grad_fn).__name__ == "_RMSNormFunctionBackward"

@@ -28,8 +28,8 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        rows = x.reshape(-1, x.shape[-1])  # a view for the contiguous inputs the model passes
-        y, rstd = ops().rms_forward(rows.contiguous(), weight.contiguous(), eps)
+        rows = x.reshape(-1, x.shape[-1])  # a view: rms_norm_applies() admits contiguous x only
+        y, rstd = ops().rms_forward(rows, weight.contiguous(), eps)
         ctx.save_for_backward(rows, weight, rstd)
         ctx.shape = x.shape
         return y.view(x.shape)
@@ -38,7 +38,7 @@ class RMSNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         rows, weight, rstd = ctx.saved_tensors
-        grad_x, grad_w = ops().rms_backward(grad.reshape(rows.shape), rows.contiguous(), weight.contiguous(), rstd,
+        grad_x, grad_w = ops().rms_backward(grad.reshape(rows.shape), rows, weight.contiguous(), rstd,
                                             ctx.needs_input_grad[1])
         return grad_x.view(ctx.shape), grad_w, None
 
@@ -62,7 +62,9 @@ class RopeFunction(torch.autograd.Function):
 
 
 def rms_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in DTYPES and x.shape[-1] == weight.numel()
+    """Contiguous x only: the rows it saves are then a view of x, as the eager Function saves x."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in DTYPES and x.is_contiguous()
+            and weight.dim() == 1 and x.shape[-1] == weight.numel())
 
 
 def rope_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
