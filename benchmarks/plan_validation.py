@@ -48,6 +48,7 @@ def _planner(run: dict, framework: bool = False) -> Planner:
                               fp8_cache=run.get("fp8_activation_cache", False) and not args_no_cache[0],
                               dispatcher=run.get("dispatcher", "alltoall"),
                               activations=args_activations[0] or run.get("activations", "moetron"),
+                              overlap_grad_reduce=run.get("overlap_grad_reduce", True),
                               **({"schedules": tuple(run["framework_schedules"]), "zero_stages": (1,),
                                   "fb_overlap_schedules": tuple(run.get("framework_fb_overlap", ("dualpipev",)))}
                                  if framework else {})))

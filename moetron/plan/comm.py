@@ -85,10 +85,14 @@ def cp_time(c: ModelConfig, cand: Candidate, T: int, b: int, core: float, per_no
     return exposed + max(0.0, ring - core), exposed + max(0.0, 2 * ring - 2.5 * core)  # backward: K/V and dK/dV
 
 
-def dp_exposed(zero: int, m: int, chunks: int, F: float, B: float, W: float, reduce: float, gather: float) -> float:
+def dp_exposed(zero: int, m: int, chunks: int, F: float, B: float, W: float, reduce: float, gather: float,
+               overlap_reduce: bool = True) -> float:
     """Data-parallel time not hidden behind compute for one step: `reduce` (fp32 gradients reduce-scattered)
     and `gather` (parameters all-gathered) are one full pass over this rank's parameters; F, B, W one
-    micro-batch of one chunk."""
+    micro-batch of one chunk. overlap_reduce=False (Megatron's overlap_grad_reduce off): ZeRO-1's
+    reduce-scatter runs after the last backward, all of it exposed."""
+    if not overlap_reduce and zero == 1:
+        return max(0.0, gather - F * chunks) + reduce
     if zero == 3:
         return m * (max(0.0, gather - F) + max(0.0, gather + reduce - B - W))
     per_step = max(0.0, gather - F * chunks)

@@ -37,8 +37,9 @@ LATENCY_S = 20e-6  # per collective / all-to-all call
 # forwarding"): the flex dispatcher's NIC leg runs at that share instead of LINK_EFFICIENCY.
 DEEPEP_NIC_EFFICIENCY = 43 / 50
 # Communication hidden behind compute still occupies SMs: DeepSeek-V3 dedicates 20 of the H800's 132 SMs to
-# its all-to-all kernels (technical report, section 3.2.2); NCCL's all-to-all channels take a like share.
-# The compute beside an overlapped all-to-all runs that much slower (plan/search.py `step_time`).
+# its all-to-all kernels (technical report, section 3.2.2); Megatron-Core gives DeepEP 20 by default
+# (`moe_deepep_num_sms`, megatron/core/transformer/transformer_config.py); NCCL's channels take a like share.
+# The compute beside an overlapped all-to-all runs that much slower (plan/staged.py, plan/search.py `step_time`).
 OVERLAP_SM_SHARE = 20 / 132
 # Memory-bound work the saved-activation proxy (MEMORY_PASSES) does not see: bytes of HBM traffic per routed
 # row and hidden element, forward (backward moves twice as much): permute and unpermute (read + write a row
@@ -72,6 +73,22 @@ def _s(x: float, half: float) -> float:
     return x / (x + half)
 
 
+@dataclass(frozen=True)
+class LayerPieces:
+    """One layer of one micro-batch as Megatron-Core's combined 1F1B schedules it
+    (megatron/core/models/common/model_chunk_schedule_plan.py `TransformerLayerSchedulePlan`): compute
+    nodes attn (attention, norm, router, dispatch preprocess) and mlp (experts, shared experts,
+    permutation), communication nodes dispatch and combine. Backward times include the weight
+    gradients (mlp_bwd_dw runs inside the mlp backward node) and any recompute."""
+
+    attn_f: float
+    mlp_f: float
+    attn_b: float
+    mlp_b: float
+    dispatch: float = 0.0  # one all-to-all, forward (its backward, the reverse all-to-all, is priced the same)
+    combine: float = 0.0
+
+
 @dataclass
 class StageTime:
     """Seconds for one micro-batch of one stage: forward, input-gradient backward, weight gradient, and the
@@ -83,6 +100,8 @@ class StageTime:
     comm: dict[str, float] = field(default_factory=lambda: {"tp": 0.0, "cp": 0.0, "ep": 0.0})
     ep_fwd: float = 0.0  # EP all-to-all inside F (the same again inside B)
     recompute: float = 0.0  # forward work repeated inside B
+    # per decoder / MTP layer, in forward order, the pieces an F&B pair interleaves (`LayerPieces`)
+    pieces: list[LayerPieces] = field(default_factory=list)
 
     def add(self, other: StageTime) -> None:
         self.F += other.F
@@ -90,6 +109,7 @@ class StageTime:
         self.W += other.W
         self.ep_fwd += other.ep_fwd
         self.recompute += other.recompute
+        self.pieces.extend(other.pieces)
         for k, v in other.comm.items():
             self.comm[k] = self.comm.get(k, 0.0) + v
 
@@ -251,7 +271,36 @@ def layer_time(c: ModelConfig, moe: bool, layer_idx: int, cand: Candidate, s: Se
     rec = _recompute_time(cand, parts, memory, tp_time, ep_time, moe)
     out.B += rec
     out.recompute = rec
+    # the pair's pieces: the compute of F and of B + W split between the attn and mlp nodes in the ratio of
+    # their own work (attention projections, core, router vs experts, shared experts, dense MLP, routed rows)
+    attn_f = parts["attn_proj"] + parts["core"] + parts.get("router", 0.0)
+    attn_b = 2 * parts["attn_proj"] + 2.5 * parts["core"] + 2 * parts.get("router", 0.0)
+    mlp_f = gemm + parts["core"] + streamed - attn_f
+    comp_f, comp_b = out.F - ep_time, out.B + out.W - ep_time
+    share_f, share_b = attn_f / (attn_f + mlp_f), attn_b / (attn_b + 2 * mlp_f)
+    out.pieces = [LayerPieces(comp_f * share_f, comp_f * (1 - share_f), comp_b * share_b, comp_b * (1 - share_b),
+                              dispatch, combine) if moe and cand.ep > 1 else
+                  LayerPieces(comp_f * share_f, comp_f * (1 - share_f), comp_b * share_b, comp_b * (1 - share_b))]
     return out
+
+
+def pair_time(f: LayerPieces | None, b: LayerPieces | None) -> tuple[float, float]:
+    """(makespan, compute + communication run concurrently) of one layer's forward paired with another
+    micro-batch's backward of a layer, in the order of Megatron-Core's `TransformerLayerSchedulePlan.run`:
+
+        comm stream: combine_bwd | dispatch_fwd -> dispatch_bwd        | combine_fwd
+        comp stream: attn_fwd    | mlp_bwd (+dw)     -> mlp_fwd        | attn_bwd
+
+    each node waiting for its inputs (mlp_bwd for combine_bwd, mlp_fwd for dispatch_fwd, attn_bwd for
+    dispatch_bwd, combine_fwd for mlp_fwd) and for the node before it on its stream. moetron's executor
+    interleaves the two chains of an F&B pair in the same order (docs/pipeline.md, "Turns")."""
+    af, mf, df, cf = (f.attn_f, f.mlp_f, f.dispatch, f.combine) if f else (0.0, 0.0, 0.0, 0.0)
+    ab, mb, db, cb = (b.attn_b, b.mlp_b, b.dispatch, b.combine) if b else (0.0, 0.0, 0.0, 0.0)
+    start = max(af, cb)  # attn_fwd beside combine_bwd
+    mb_end, df_end = start + mb, start + df
+    db_end, mf_end = max(df_end, mb_end) + db, max(mb_end, df_end) + mf
+    span = max(max(mf_end, db_end) + cf, max(mf_end, db_end) + ab)
+    return span, max(0.0, af + mf + ab + mb + df + cf + db + cb - span)
 
 
 def _recompute_time(cand: Candidate, parts: dict, memory: float, tp_time: float, ep_time: float,

@@ -52,13 +52,37 @@ def _attention_params(c: ModelConfig, tp: int) -> int:
     return n + h * c.v_head_dim * H // tp + (H if bias else 0)
 
 
+_SHARED: dict[int, tuple[ModelConfig, int]] = {}
+
+
+def shared_ffn(c: ModelConfig) -> int:
+    """The shared experts' ffn size (`moe_config()` validates a new MoEConfig on every call: the search
+    asks this hundreds of thousands of times), remembered per config object."""
+    hit = _SHARED.get(id(c))
+    if hit is None or hit[0] is not c:
+        hit = _SHARED[id(c)] = (c, c.moe_config().shared_expert_ffn_size)
+    return hit[1]
+
+
+_COUNTS: dict[tuple, tuple[ModelConfig, tuple[int, int]]] = {}
+
+
 def layer_param_counts(c: ModelConfig, layer_idx: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
-    """(dense, expert) parameters of decoder layer `layer_idx` on one rank."""
+    """(dense, expert) parameters of decoder layer `layer_idx` on one rank (the same for every layer of a
+    kind, dense or MoE: remembered per config object, like `shared_ffn`)."""
+    key = (id(c), c.is_moe_layer(layer_idx), tp, ep, etp)
+    hit = _COUNTS.get(key)
+    if hit is None or hit[0] is not c:
+        hit = _COUNTS[key] = (c, _layer_param_counts(c, layer_idx, tp, ep, etp))
+    return hit[1]
+
+
+def _layer_param_counts(c: ModelConfig, layer_idx: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
     H = c.hidden_size
     dense = _attention_params(c, tp) + 2 * H
     if not c.is_moe_layer(layer_idx):
         return dense + 3 * H * c.intermediate_size // tp, 0
-    shared = c.moe_config().shared_expert_ffn_size
+    shared = shared_ffn(c)
     dense += c.num_experts * H + 3 * H * shared // tp
     return dense, (c.num_experts // ep) * 3 * H * c.moe_intermediate_size // etp
 
@@ -260,7 +284,7 @@ def _tensor_parallel_terms(out: dict, terms: dict, c: ModelConfig, layer_idx: in
             if not moe:  # gate and up on the gathered input
                 out["mlp norm output"] = full * copies(2)
             else:  # shared experts' gate and up on the gathered input; in fp32 the router keeps it too
-                out["mlp norm output"] = (full * copies(2) if c.moe_config().shared_expert_ffn_size else 0) + \
+                out["mlp norm output"] = (full * copies(2) if shared_ffn(c) else 0) + \
                     (full if b == 4 else 0)
     if c.is_moe_layer(layer_idx) and "moe" not in modules:  # measured; the local routing's mask
         rows = T * c.top_k // tp

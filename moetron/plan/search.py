@@ -22,7 +22,7 @@ from moetron.plan.comm import check_zero_and_cp, dp_exposed
 from moetron.plan.cost import LATENCY_S, OVERLAP_SM_SHARE, Setting, StageTime, group_link, head_time, layer_time
 from moetron.plan.gpus import GPU
 from moetron.plan.memory import (GiB, comm_buffer_bytes, imbalance_headroom, layer_param_counts, rank_state,
-                                 stage_activation_bytes)
+                                 shared_ffn, stage_activation_bytes)
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,9 @@ class PlanInputs:
     # tests/test_plan.py), or megatron (Megatron-Core with Transformer Engine: plan/memory.py
     # `_megatron_storage`), to compare with runs published from that framework
     activations: str = "moetron"
+    # ZeRO-1's gradient reduce-scatter overlapped with the last micro-batch's backward (moetron's
+    # overlap_grad_reduce, Megatron's default); False prices a run that turned it off
+    overlap_grad_reduce: bool = True
 
 
 @dataclass
@@ -127,7 +130,7 @@ class Planner:
             raise Pruned(f"tp={tp} does not divide vocab_size={c.vocab_size}")
         if c.num_experts % ep:
             raise Pruned(f"ep={ep} does not divide num_experts={c.num_experts}")
-        if c.moe_intermediate_size % etp or c.moe_config().shared_expert_ffn_size % tp:
+        if c.moe_intermediate_size % etp or shared_ffn(c) % tp:
             raise Pruned(f"etp={etp} / tp={tp} does not divide the expert ffn sizes")
         if c.intermediate_size % tp:
             raise Pruned(f"tp={tp} does not divide intermediate_size={c.intermediate_size}")
@@ -339,7 +342,7 @@ class Planner:
             / expert_link
         gather = worst.dense_numel * pbytes * (g_d - 1) / g_d / dense_link + worst.expert_numel * pbytes * \
             (g_e - 1) / g_e / expert_link
-        dp_time = dp_exposed(cand.zero_stage, m, cand.chunks, F, B, W, reduce, gather)
+        dp_time = dp_exposed(cand.zero_stage, m, cand.chunks, F, B, W, reduce, gather, i.overlap_grad_reduce)
         optimizer = worst.optimizer / 12 * 32 / (i.gpu.hbm_tbps * 1e12)
         mean = {k: m * cand.chunks * sum(t.comm[k] for t in chunks) / len(chunks) for k in ("tp", "cp", "ep")}
         compute = busy - sum(mean.values())
