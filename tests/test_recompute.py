@@ -17,6 +17,8 @@ import torch
 
 from dist_utils import run_distributed
 from moetron.config import ModelConfig
+from moetron import ops
+from moetron.kernels import cpp_build
 from moetron.ops import recompute
 from moetron.model.activation_memory import ActivationMeter, layer_activation_bytes
 from moetron.model.model import MoETransformer
@@ -264,6 +266,25 @@ def measure(model, ids, labels):
     layers = {n: m for n, m in model.named_modules() if hasattr(m, "layer_idx")}
     rows = {n: int(m.mlp.last_tokens_per_expert.sum()) if m.is_moe else None for n, m in layers.items()}
     return meter.layer_bytes, rows, {n: m.layer_idx for n, m in layers.items()}
+
+
+@pytest.mark.parametrize("family", ["qwen", "deepseek"])
+def test_the_cpp_fusion_saves_what_the_formula_says(family):
+    """Under train.fusion=cpp (the CPU default) the experts' SwiGLU is one C++ kernel: the formula's
+    `fused_swiglu` terms, to the byte, with and without moe_act (the norms and RoPE save as before)."""
+    if not cpp_build.cpp_status(build=True)[0]:
+        pytest.skip("moetron's C++ kernels cannot be built here")
+    model = build(FAMILIES[family])
+    ids, labels = data()
+    ops.set_fusion("cpp")
+    for modules in ([], ["moe_act"]):
+        set_recompute(model, modules, 0)
+        got, rows, index = measure(model, ids, labels)
+        for name, nbytes in got.items():
+            want = layer_activation_bytes(model.config, index[name], B, S, rows[name], modules=modules,
+                                          every_n_layers=0, fused_swiglu=True)
+            assert nbytes == want.total, (family, modules, name, nbytes, want.terms)
+    assert "expert silu(gate)" not in want.terms
 
 
 @pytest.mark.parametrize("family,dtype,batch", [("qwen", torch.float32, B), ("deepseek", torch.float32, B),

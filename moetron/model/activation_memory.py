@@ -169,7 +169,7 @@ class LayerActivations:
 def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: int, rows: int | None = None,
                            *, modules: Iterable[str] | None = None, every_n_layers: int | None = None,
                            dtype: torch.dtype = torch.float32, device: str = "cpu", rope_batch: int = 1,
-                           grouped_mm: bool = True) -> LayerActivations:
+                           grouped_mm: bool = True, fused_swiglu: bool = False) -> LayerActivations:
     """The formula: bytes decoder layer `layer_idx` of `cfg` saves for backward in training (one
     process, the torch permute, no capacity padding), term by term.
 
@@ -178,6 +178,8 @@ def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: in
     (the router, norms' statistics and balancing losses are fp32 whatever it is). `rope_batch`:
     batch size of the position ids (1 for the default positions). `grouped_mm`: the experts run
     through torch._grouped_mm (which saves its int32 offsets) rather than the per-expert loop.
+    `fused_swiglu`: the experts' weighted SwiGLU is one kernel (C++ on a CPU under `train.fusion=cpp`,
+    Triton on CUDA) that saves only its input and the weights, not silu(gate) and silu*up.
     docs/activation_memory.md derives every term.
     """
     modules = cfg.recompute_modules if modules is None else list(modules)
@@ -208,7 +210,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: in
     # --- MLP block ---------------------------------------------------------------------------------
     _norm(out, "mlp norm", T, H, b, discard_norm)
     if cfg.is_moe_layer(layer_idx):
-        _moe(out, cfg, T, batch, b, mods, T * cfg.top_k if rows is None else rows, grouped_mm)
+        _moe(out, cfg, T, batch, b, mods, T * cfg.top_k if rows is None else rows, grouped_mm, fused_swiglu)
     else:
         if not discard_norm:  # saved by gate/up (or held as the checkpoint's input)
             out.add("mlp norm output", T * H * b)
@@ -311,7 +313,8 @@ def _mla(out: LayerActivations, cfg: ModelConfig, B: int, S: int, b: int, mods, 
     out.add("o_proj input", T * h * dv * b)
 
 
-def _moe(out: LayerActivations, cfg: ModelConfig, T: int, B: int, b: int, mods, N: int, grouped_mm: bool) -> None:
+def _moe(out: LayerActivations, cfg: ModelConfig, T: int, B: int, b: int, mods, N: int, grouped_mm: bool,
+         fused_swiglu: bool = False) -> None:
     H, E, k = cfg.hidden_size, cfg.num_experts, cfg.top_k
     moe_cfg = cfg.moe_config()
     discard_norm = "layernorm" in mods
@@ -354,9 +357,10 @@ def _moe(out: LayerActivations, cfg: ModelConfig, T: int, B: int, b: int, mods, 
     out.add("expert input", N * H * b)
     out.add("expert gate_up", N * 2 * F * b)
     out.add("expert weights", N * 4)  # fp32 gate weight per row (kept by the moe_act region too)
-    if "moe_act" not in mods:  # weighted SwiGLU (torch reference): silu(gate), silu*up, its product with w
-        out.add("expert silu(gate)", N * F * b)
-        out.add("expert act", N * F * b)
-        out.add("expert weighted act", N * F * b)
+    if "moe_act" not in mods:
+        if not fused_swiglu:  # weighted SwiGLU (torch reference): silu(gate), silu*up
+            out.add("expert silu(gate)", N * F * b)
+            out.add("expert act", N * F * b)
+        out.add("expert weighted act", N * F * b)  # the down projection's input
     if moe_cfg.shared_expert_ffn_size and "shared_experts" not in mods:
         _swiglu_mlp(out, "shared experts", T, moe_cfg.shared_expert_ffn_size, b)

@@ -29,7 +29,8 @@ class GroupedExperts(nn.Module):
     `probs_N [N]` (fp32), when given, are the rows' routing weights: they scale the [N,F] SwiGLU
     output before the down projection (Megatron-Core's weighted SwiGLU), so the combine sums
     unweighted rows. `activation_impl` picks the SwiGLU kernel (moetron/kernels/fused_swiglu.py:
-    None by device, "auto" fused where the device has a kernel, "torch", "cpp", "triton").
+    None by device -- C++ on a CPU under `train.fusion=cpp`, the CPU default --, "auto" fused where
+    the device has a kernel, "torch", "cpp", "triton").
 
     `recompute_act` (recompute option `moe_act`, set by the decoder layer) makes the SwiGLU an
     output-discarding region (moetron/ops/recompute.py): its [N,F] output, which the down

@@ -3,8 +3,9 @@
 The unfused bodies are the reference (they match Hugging Face transformers'
 numerics). `set_fusion("compile")` routes the same calls through `torch.compile`d
 versions of the same bodies, so a fused kernel never changes the math written
-here; `set_fusion("cpp")` sends fp32/fp64 CPU RMSNorm and RoPE to one C++ pass each way
-(moetron/kernels/norm_rope_cpu.py: RoPE bit for bit, RMSNorm within a few ulp).
+here; `set_fusion("cpp")` sends fp32/fp64 CPU RMSNorm, RoPE and the experts' weighted SwiGLU
+to one C++ pass each way (moetron/kernels/norm_rope_cpu.py, fused_swiglu.py: RoPE bit for bit,
+the others within a few ulp).
 Library kernels (Liger, Transformer Engine) plug in the same way.
 
 Eagerly (`none`), fp32 RMSNorm and halves-layout RoPE run as autograd Functions: the reference's
@@ -28,8 +29,9 @@ _compiled: dict[str, Callable] = {}
 
 
 def set_fusion(mode: str) -> None:
-    """Choose `none` (reference eager ops), `cpp` (C++ RMSNorm and RoPE on CPU tensors, built on
-    first use: raises `CppBuildError` when it cannot be) or `compile` (torch.compile'd kernels)."""
+    """Choose `none` (reference eager ops), `cpp` (C++ RMSNorm, RoPE and the experts' weighted
+    SwiGLU on CPU tensors, built on first use: raises `CppBuildError` when it cannot be) or `compile`
+    (torch.compile'd kernels)."""
     global _mode
     if mode not in FUSION_MODES:
         raise ValueError(f"fusion mode {mode!r} is unknown; choose one of {FUSION_MODES}")
@@ -63,7 +65,7 @@ def resolve_fusion(mode: str, device: torch.device) -> tuple[str, str | None]:
         if mode == "cpp":
             raise ValueError(f"train.fusion=cpp: moetron's C++ kernels cannot be built here ({exc}); "
                              "use train.fusion=none") from None
-        return "none", f"fusion: eager RMSNorm and RoPE ({exc})"
+        return "none", f"fusion: eager RMSNorm, RoPE and SwiGLU ({exc})"
     return "cpp", None
 
 
@@ -177,6 +179,8 @@ def weighted_swiglu(gate_up: torch.Tensor, probs: torch.Tensor | None = None, im
     "auto" the fused kernel the device has (C++ on CPU, compiled on first use), or "torch" / "cpp" /
     "triton". The reference goes through the fusion switch like the other bodies here.
     """
+    if impl is None and _mode == "cpp" and gate_up.device.type == "cpu" and gate_up.dtype in norm_rope_cpu.DTYPES:
+        impl = "cpp"  # train.fusion=cpp: the C++ SwiGLU of the same library (within a few ulp)
     impl = fused_swiglu.resolve(impl, gate_up.device)
     if impl == "torch":
         fused_swiglu.check_args(gate_up, probs)
