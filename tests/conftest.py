@@ -12,6 +12,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from dist_utils import forkserver_context  # noqa: E402
+
+forkserver_context()  # whoever starts the forkserver first, its workers start with torch imported
+
 
 @pytest.fixture(scope="module")
 def one_thread():

@@ -1,9 +1,9 @@
 """Run a function in N gloo processes on this machine, failing (not hanging) on any error.
 
 Each spawn costs seconds, so a test should pass one function that runs many checks. Workers are
-forked from a forkserver that has already imported torch, which makes every spawn after the
-first much cheaper than a fresh interpreter per rank, and is safe because the server itself never
-runs torch code (unlike forking the pytest process).
+forked from a forkserver that has already imported torch and the package (PRELOAD), which makes
+every spawn after the first much cheaper than a fresh interpreter per rank, and is safe because the
+server itself never runs torch code (unlike forking the pytest process).
 """
 
 from __future__ import annotations
@@ -26,9 +26,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context():
+# What the one forkserver of a test session imports before it forks any worker: torch (~4 CPU-s per
+# process on 2 cores), and what nearly every test module imports (~1 s more). conftest.py sets it at
+# start-up, so that it holds whichever test starts the server (the list is read only then).
+PRELOAD = ["torch", "torch.distributed", "pytest", "moetron.cli", "moetron.train.trainer"]
+
+
+def forkserver_context():
+    """The "forkserver" context of every test that forks workers (run_distributed or its own)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
@@ -69,7 +76,7 @@ def run_distributed(
     first; with init=False only torchrun's environment variables are set. Raises AssertionError
     with the traceback of every failing rank, or when a rank dies or the run exceeds timeout.
     """
-    ctx = _context()
+    ctx = forkserver_context()
     results = ctx.Queue()
     port = free_port()
     procs = [

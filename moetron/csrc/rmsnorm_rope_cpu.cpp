@@ -10,9 +10,11 @@
 //   rope (backward, transpose=true): dx[i] = g[i] c[i] + g[i+d/2] s[i+d/2],  dx[i+d/2] = g[i+d/2] c[i+d/2] - g[i] s[i]
 //
 // RoPE equals the torch reference bit for bit (the same two products and one add per element; no FMA:
-// cpp_build.py compiles with -ffp-contract=off). RMSNorm sums its squares in SIMD order, so rstd and
-// the results differ from torch's by a few ulp (the bound is tested in tests/test_norm_rope_cpp.py);
-// dw sums fixed blocks of rows, then the blocks in order: the same bits on any thread count.
+// cpp_build.py compiles with -ffp-contract=off). RMSNorm sums its squares in 8 fixed lanes, so rstd and
+// the results differ from torch's by a few ulp (the bound is tested in tests/test_norm_rope_cpp.py).
+// Rows go in logical order whatever the layout (a sequence-first [S, B, H] view under tensor parallel
+// gives each row the bits a contiguous [B, S, H] one does); dw sums fixed blocks of rows, then the
+// blocks in order: the same bits on any thread count.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -25,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -34,68 +37,85 @@ constexpr int64_t kBlockRows = 64;  // dw: rows per partial sum (fixed: results 
 
 int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(H, 1)); }
 
+// Logical row r (row-major over the leading dims) of a tensor with unit stride on its last dim -> the
+// element offset of its first element. Rows are taken in logical order whatever the memory layout, so a
+// [S, B, H]-strided input (tensor parallel) gives each row the same bits as a contiguous [B, S, H] one.
+struct Rows {
+  std::vector<int64_t> sizes, strides;
+  explicit Rows(const Tensor& t) : sizes(t.sizes().begin(), t.sizes().end() - 1),
+                                   strides(t.strides().begin(), t.strides().end() - 1) {}
+  int64_t offset(int64_t r) const {
+    int64_t off = 0;
+    for (int64_t i = static_cast<int64_t>(sizes.size()) - 1; i >= 0; --i) {
+      off += (r % sizes[i]) * strides[i];
+      r /= sizes[i];
+    }
+    return off;
+  }
+};
+
 void check_norm(const Tensor& x, const Tensor& w, const char* where) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "moetron rms_norm (cpp) ", where,
-              ": x must be a contiguous CPU tensor [rows, H], got ", x.sizes(), " on ", x.device());
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.stride(-1) == 1, "moetron rms_norm (cpp) ", where,
+              ": x must be a CPU tensor with unit stride on its last dim, got ", x.sizes(), " strides ", x.strides(),
+              " on ", x.device());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "moetron rms_norm (cpp) ", where,
               ": float32 or float64 only, got ", x.scalar_type());
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type() && w.is_contiguous(),
-              "moetron rms_norm (cpp) ", where, ": weight must be contiguous [H=", x.size(1), "] of ", x.scalar_type(),
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1) && w.scalar_type() == x.scalar_type() && w.is_contiguous(),
+              "moetron rms_norm (cpp) ", where, ": weight must be contiguous [H=", x.size(-1), "] of ", x.scalar_type(),
               ", got ", w.scalar_type(), " ", w.sizes());
+}
+
+// Row reductions in 8 fixed lanes (element h goes to lane h % 8), then the lanes in a fixed order: the
+// same bits wherever the row sits in memory (a compiler's SIMD reduction may peel a misaligned start).
+constexpr int64_t kLanes = 8;
+
+template <typename T>
+inline T combine_lanes(const T* acc) {
+  return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
 template <typename T>
 inline T row_sum_sq(const T* __restrict x, int64_t H) {
-  T acc = 0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t h = 0; h < H; ++h) acc += x[h] * x[h];
-  return acc;
+  T acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t h = 0;
+  for (; h + kLanes <= H; h += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) acc[j] += x[h + j] * x[h + j];
+  for (int64_t j = 0; h + j < H; ++j) acc[j] += x[h + j] * x[h + j];
+  return combine_lanes(acc);
 }
 
 template <typename T>
 inline T row_dot_scaled(const T* __restrict g, const T* __restrict w, const T* __restrict x, T rstd, int64_t H) {
-  T acc = 0;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t h = 0; h < H; ++h) acc += (g[h] * w[h]) * (x[h] * rstd);
-  return acc;
+  T acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t h = 0;
+  for (; h + kLanes <= H; h += kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) acc[j] += (g[h + j] * w[h + j]) * (x[h + j] * rstd);
+  for (int64_t j = 0; h + j < H; ++j) acc[j] += (g[h + j] * w[h + j]) * (x[h + j] * rstd);
+  return combine_lanes(acc);
+}
+
+// One row each; the fp32 versions are also compiled for AVX2 and picked at load time (GCC's
+// target_clones), since the default x86-64 target vectorises only 4 lanes wide.
+template <typename T>
+inline T rms_forward_row(const T* __restrict x, const T* __restrict w, T* __restrict y, int64_t H, double eps) {
+  const T s = T(1) / std::sqrt(row_sum_sq(x, H) / static_cast<T>(H) + static_cast<T>(eps));
+#pragma omp simd
+  for (int64_t h = 0; h < H; ++h) y[h] = w[h] * (x[h] * s);
+  return s;
 }
 
 template <typename T>
-void rms_forward_rows(const T* x, const T* w, T* y, T* rstd, int64_t begin, int64_t end, int64_t H, double eps) {
-  for (int64_t r = begin; r < end; ++r) {
-    const T* __restrict xr = x + r * H;
-    T* __restrict yr = y + r * H;
-    const T s = T(1) / std::sqrt(row_sum_sq(xr, H) / static_cast<T>(H) + static_cast<T>(eps));
-    rstd[r] = s;
+inline void rms_backward_row(const T* __restrict g, const T* __restrict x, const T* __restrict w, T s,
+                             T* __restrict dx, int64_t H) {
+  const T mean = row_dot_scaled(g, w, x, s, H) / static_cast<T>(H);
 #pragma omp simd
-    for (int64_t h = 0; h < H; ++h) yr[h] = w[h] * (xr[h] * s);
-  }
+  for (int64_t h = 0; h < H; ++h) dx[h] = s * (g[h] * w[h] - (x[h] * s) * mean);
 }
 
 template <typename T>
-void rms_backward_rows(const T* dy, const T* x, const T* w, const T* rstd, T* dx, int64_t begin, int64_t end,
-                       int64_t H) {
-  for (int64_t r = begin; r < end; ++r) {
-    const T* __restrict gr = dy + r * H;
-    const T* __restrict xr = x + r * H;
-    T* __restrict dxr = dx + r * H;
-    const T s = rstd[r];
-    const T mean = row_dot_scaled(gr, w, xr, s, H) / static_cast<T>(H);
+inline void rms_wgrad_row(const T* __restrict g, const T* __restrict x, T s, T* __restrict part, int64_t H) {
 #pragma omp simd
-    for (int64_t h = 0; h < H; ++h) dxr[h] = s * (gr[h] * w[h] - (xr[h] * s) * mean);
-  }
-}
-
-template <typename T>
-void rms_weight_grad_block(const T* dy, const T* x, const T* rstd, T* part, int64_t begin, int64_t end, int64_t H) {
-  for (int64_t h = 0; h < H; ++h) part[h] = 0;
-  for (int64_t r = begin; r < end; ++r) {
-    const T* __restrict gr = dy + r * H;
-    const T* __restrict xr = x + r * H;
-    const T s = rstd[r];
-#pragma omp simd
-    for (int64_t h = 0; h < H; ++h) part[h] += gr[h] * (xr[h] * s);
-  }
+  for (int64_t h = 0; h < H; ++h) part[h] += g[h] * (x[h] * s);
 }
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
@@ -104,81 +124,84 @@ void rms_weight_grad_block(const T* dy, const T* x, const T* rstd, T* part, int6
 #define MOETRON_CLONES
 #endif
 
-// fp32 row loops compiled for AVX2 too (picked at load time); fp64 (gradcheck) takes the templates.
-MOETRON_CLONES void rms_forward_f32(const float* x, const float* w, float* y, float* rstd, int64_t b, int64_t e,
-                                    int64_t H, double eps) {
-  rms_forward_rows<float>(x, w, y, rstd, b, e, H, eps);
+MOETRON_CLONES float rms_forward_row_f32(const float* x, const float* w, float* y, int64_t H, double eps) {
+  return rms_forward_row<float>(x, w, y, H, eps);
 }
-MOETRON_CLONES void rms_backward_f32(const float* dy, const float* x, const float* w, const float* rstd, float* dx,
-                                     int64_t b, int64_t e, int64_t H) {
-  rms_backward_rows<float>(dy, x, w, rstd, dx, b, e, H);
+MOETRON_CLONES void rms_backward_row_f32(const float* g, const float* x, const float* w, float s, float* dx,
+                                         int64_t H) {
+  rms_backward_row<float>(g, x, w, s, dx, H);
 }
-MOETRON_CLONES void rms_wgrad_f32(const float* dy, const float* x, const float* rstd, float* part, int64_t b,
-                                  int64_t e, int64_t H) {
-  rms_weight_grad_block<float>(dy, x, rstd, part, b, e, H);
+MOETRON_CLONES void rms_wgrad_row_f32(const float* g, const float* x, float s, float* part, int64_t H) {
+  rms_wgrad_row<float>(g, x, s, part, H);
 }
-template <typename T>
-void rms_forward_any(const T* x, const T* w, T* y, T* rstd, int64_t b, int64_t e, int64_t H, double eps) {
-  rms_forward_rows<T>(x, w, y, rstd, b, e, H, eps);
+double rms_forward_any(const double* x, const double* w, double* y, int64_t H, double eps) {
+  return rms_forward_row<double>(x, w, y, H, eps);
 }
-void rms_forward_any(const float* x, const float* w, float* y, float* rstd, int64_t b, int64_t e, int64_t H,
-                     double eps) {
-  rms_forward_f32(x, w, y, rstd, b, e, H, eps);
+float rms_forward_any(const float* x, const float* w, float* y, int64_t H, double eps) {
+  return rms_forward_row_f32(x, w, y, H, eps);
 }
-template <typename T>
-void rms_backward_any(const T* dy, const T* x, const T* w, const T* rstd, T* dx, int64_t b, int64_t e, int64_t H) {
-  rms_backward_rows<T>(dy, x, w, rstd, dx, b, e, H);
+void rms_backward_any(const double* g, const double* x, const double* w, double s, double* dx, int64_t H) {
+  rms_backward_row<double>(g, x, w, s, dx, H);
 }
-void rms_backward_any(const float* dy, const float* x, const float* w, const float* rstd, float* dx, int64_t b,
-                      int64_t e, int64_t H) {
-  rms_backward_f32(dy, x, w, rstd, dx, b, e, H);
+void rms_backward_any(const float* g, const float* x, const float* w, float s, float* dx, int64_t H) {
+  rms_backward_row_f32(g, x, w, s, dx, H);
 }
-template <typename T>
-void rms_wgrad_any(const T* dy, const T* x, const T* rstd, T* part, int64_t b, int64_t e, int64_t H) {
-  rms_weight_grad_block<T>(dy, x, rstd, part, b, e, H);
+void rms_wgrad_any(const double* g, const double* x, double s, double* part, int64_t H) {
+  rms_wgrad_row<double>(g, x, s, part, H);
 }
-void rms_wgrad_any(const float* dy, const float* x, const float* rstd, float* part, int64_t b, int64_t e, int64_t H) {
-  rms_wgrad_f32(dy, x, rstd, part, b, e, H);
+void rms_wgrad_any(const float* g, const float* x, float s, float* part, int64_t H) {
+  rms_wgrad_row_f32(g, x, s, part, H);
 }
 
+// x [..., H]: y laid out like x, rstd [rows] in logical row order.
 std::tuple<Tensor, Tensor> rms_forward(const Tensor& x, const Tensor& w, double eps) {
   check_norm(x, w, "forward");
-  const int64_t R = x.size(0), H = x.size(1);
+  const int64_t H = x.size(-1), R = H ? x.numel() / H : 0;
   Tensor y = at::empty_like(x), rstd = at::empty({R}, x.options());
+  TORCH_CHECK(y.stride(-1) == 1, "moetron rms_norm (cpp): x must be dense");
+  const Rows xr(x), yr(y);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_forward", [&] {
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const scalar_t* wp = w.const_data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     scalar_t* sp = rstd.data_ptr<scalar_t>();
-    at::parallel_for(0, R, grain_rows(H), [&](int64_t b, int64_t e) { rms_forward_any(xp, wp, yp, sp, b, e, H, eps); });
+    at::parallel_for(0, R, grain_rows(H), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) sp[r] = rms_forward_any(xp + xr.offset(r), wp, yp + yr.offset(r), H, eps);
+    });
   });
   return {y, rstd};
 }
 
+// dx laid out like x; dw sums fixed blocks of logical rows, then the blocks in order.
 std::tuple<Tensor, Tensor> rms_backward(const Tensor& dy_in, const Tensor& x, const Tensor& w, const Tensor& rstd,
                                         bool need_weight_grad) {
   check_norm(x, w, "backward");
-  const Tensor dy = dy_in.contiguous();
-  const int64_t R = x.size(0), H = x.size(1);
+  const Tensor dy = dy_in.stride(-1) == 1 ? dy_in : dy_in.contiguous();
+  const int64_t H = x.size(-1), R = H ? x.numel() / H : 0;
   TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type() && rstd.numel() == R &&
                   rstd.scalar_type() == x.scalar_type() && rstd.is_contiguous(),
               "moetron rms_norm (cpp) backward: grad must be ", x.sizes(), " and rstd [", R, "] of ", x.scalar_type());
   Tensor dx = at::empty_like(x), dw;
+  TORCH_CHECK(dx.stride(-1) == 1, "moetron rms_norm (cpp): x must be dense");
+  const Rows xr(x), gr(dy), dr(dx);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_backward", [&] {
     const scalar_t* gp = dy.const_data_ptr<scalar_t>();
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const scalar_t* wp = w.const_data_ptr<scalar_t>();
     const scalar_t* sp = rstd.const_data_ptr<scalar_t>();
     scalar_t* dxp = dx.data_ptr<scalar_t>();
-    at::parallel_for(0, R, grain_rows(H), [&](int64_t b, int64_t e) { rms_backward_any(gp, xp, wp, sp, dxp, b, e, H); });
+    at::parallel_for(0, R, grain_rows(H), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r)
+        rms_backward_any(gp + gr.offset(r), xp + xr.offset(r), wp, sp[r], dxp + dr.offset(r), H);
+    });
     if (need_weight_grad) {
       const int64_t blocks = (R + kBlockRows - 1) / kBlockRows;
-      Tensor parts = at::empty({std::max<int64_t>(blocks, 1), H}, x.options());
+      Tensor parts = at::zeros({std::max<int64_t>(blocks, 1), H}, x.options());
       scalar_t* pp = parts.data_ptr<scalar_t>();
-      if (blocks == 0) parts.zero_();
       at::parallel_for(0, blocks, std::max<int64_t>(1, grain_rows(H) / kBlockRows), [&](int64_t b, int64_t e) {
         for (int64_t k = b; k < e; ++k)
-          rms_wgrad_any(gp, xp, sp, pp + k * H, k * kBlockRows, std::min(R, (k + 1) * kBlockRows), H);
+          for (int64_t r = k * kBlockRows; r < std::min(R, (k + 1) * kBlockRows); ++r)
+            rms_wgrad_any(gp + gr.offset(r), xp + xr.offset(r), sp[r], pp + k * H, H);
       });
       dw = at::empty({H}, x.options());
       scalar_t* dwp = dw.data_ptr<scalar_t>();

@@ -24,23 +24,21 @@ def ops():
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """x [..., H] and weight [H] of one dtype in DTYPES; saves x, weight and the 1/rms per row."""
+    """x [..., H] (unit stride on H, any layout of the rest) and weight [H] of one dtype in DTYPES;
+    saves x, weight and the 1/rms per row. Each row gets the same bits in any layout."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        rows = x.reshape(-1, x.shape[-1])  # a view: rms_norm_applies() admits contiguous x only
-        y, rstd = ops().rms_forward(rows, weight.contiguous(), eps)
-        ctx.save_for_backward(rows, weight, rstd)
-        ctx.shape = x.shape
-        return y.view(x.shape)
+        y, rstd = ops().rms_forward(x, weight.contiguous(), eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        rows, weight, rstd = ctx.saved_tensors
-        grad_x, grad_w = ops().rms_backward(grad.reshape(rows.shape), rows, weight.contiguous(), rstd,
-                                            ctx.needs_input_grad[1])
-        return grad_x.view(ctx.shape), grad_w, None
+        x, weight, rstd = ctx.saved_tensors
+        grad_x, grad_w = ops().rms_backward(grad, x, weight.contiguous(), rstd, ctx.needs_input_grad[1])
+        return grad_x, grad_w, None
 
 
 class RopeFunction(torch.autograd.Function):
@@ -62,9 +60,10 @@ class RopeFunction(torch.autograd.Function):
 
 
 def rms_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Contiguous x only: the rows it saves are then a view of x, as the eager Function saves x."""
-    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in DTYPES and x.is_contiguous()
-            and weight.dim() == 1 and x.shape[-1] == weight.numel())
+    """Any layout with unit stride on H (tensor parallel hands over [S, B, H]-strided views): a row
+    must get the same bits in every layout, or layouts stop training alike."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in DTYPES and x.dim() >= 1
+            and x.stride(-1) == 1 and weight.dim() == 1 and x.shape[-1] == weight.numel())
 
 
 def rope_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
