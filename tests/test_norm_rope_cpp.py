@@ -113,6 +113,9 @@ def test_auto_takes_cpp_on_a_cpu_and_says_why_not_when_it_cannot(monkeypatch):
     assert ops.resolve_fusion("compile", torch.device("cpu")) == ("compile", None)
     assert ops.resolve_fusion("auto", torch.device("cpu"), fp8=True) == ("none", None)  # tests/test_fp8_tp.py
     assert ops.resolve_fusion("cpp", torch.device("cpu"), fp8=True) == ("cpp", None)  # by hand: as asked
+    assert ops.resolve_fusion("auto", torch.device("cpu"), dtype=torch.bfloat16) == ("none", None)
+    with pytest.raises(ValueError, match="train.fusion=cpp runs fp32 and fp64 tensors.*train.dtype=fp32"):
+        ops.resolve_fusion("cpp", torch.device("cpu"), dtype=torch.bfloat16)  # it would never run: refused
     with pytest.raises(ValueError, match="train.fusion=cpp runs CPU tensors"):
         ops.resolve_fusion("cpp", torch.device("cuda"))
 

@@ -44,20 +44,25 @@ def fusion_mode() -> str:
     return _mode
 
 
-def resolve_fusion(mode: str, device: torch.device, fp8: bool = False) -> tuple[str, str | None]:
+def resolve_fusion(mode: str, device: torch.device, fp8: bool = False,
+                   dtype: torch.dtype = torch.float32) -> tuple[str, str | None]:
     """The mode a run on `device` takes for `train.fusion=mode`, and a one-line notice or None.
 
     `auto`: `cpp` on a CPU when moetron's C++ library builds here (it holds the CPU grouped GEMM
     too), else `none` with the reason; `none` on a GPU, and under FP8 (`fp8`): tensorwise and delayed
     scales turn the kernels' few-ulp differences into a visible divergence between tensor-parallel
     and one-process runs (tests/test_fp8_tp.py), which the eager reference keeps within its bounds.
-    `cpp` on a GPU, or where it cannot build, is an error naming the fix."""
+    `cpp` on a GPU, for bf16 parameters (the kernels take fp32 and fp64), or where it cannot build, is an
+    error naming the fix; `auto` runs those eager."""
     if mode not in ("auto", *FUSION_MODES):
         raise ValueError(f"train.fusion={mode!r} is unknown; choose auto or one of {FUSION_MODES}")
     if mode not in ("auto", "cpp"):
         return mode, None
-    if mode == "auto" and fp8:
+    if mode == "auto" and (fp8 or dtype not in norm_rope_cpu.DTYPES):
         return "none", None
+    if dtype not in norm_rope_cpu.DTYPES:
+        raise ValueError(f"train.fusion=cpp runs fp32 and fp64 tensors, but the parameters are {dtype}; "
+                         "use train.fusion=auto or none, or train.dtype=fp32")
     if device.type != "cpu":
         if mode == "cpp":
             raise ValueError(f"train.fusion=cpp runs CPU tensors, but this run is on {device.type}; "

@@ -228,11 +228,11 @@ def layer_terms(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype
     b = torch.finfo(dtype).bits // 8
     rows = cand.mbs * S * c.top_k // tp  # the routed experts see this rank's tokens
     modules = () if cand.full_recompute else cand.recompute
-    # on a CPU the trainer's default (train.fusion=auto) runs the C++ weighted SwiGLU on fp32 rows; without
-    # a C++ compiler it falls back to the eager one, which saves 2 x [rows, F] more
+    # on a CPU the trainer's default (train.fusion=auto) runs the C++ weighted SwiGLU on fp32 rows without
+    # FP8; without a C++ compiler it falls back to the eager one, which saves 2 x [rows, F] more
     terms = layer_activation_bytes(c, layer_idx, cand.mbs, S, rows, modules=modules,
                                    every_n_layers=1 if cand.full_recompute else 0, dtype=dtype, device=device,
-                                   fused_swiglu=device == "cpu" and dtype == torch.float32).terms
+                                   fused_swiglu=device == "cpu" and dtype == torch.float32 and not fp8).terms
     out = {n: _scale(n, v, tp, sp) for n, v in terms.items()}
     if tp > 1 and not cand.full_recompute:
         _tensor_parallel_terms(out, terms, c, layer_idx, cand, S, b, sp, modules)

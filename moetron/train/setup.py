@@ -287,7 +287,7 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
         raise ValueError(f"train.dtype={t.dtype} needs parallel.distributed_optimizer=true: it keeps the fp32 "
                          "master weights that low-precision parameters need")
     device = resolve_device(t.device)
-    fusion, notice = resolve_fusion(t.fusion, device, fp8=bool(t.fp8))
+    fusion, notice = resolve_fusion(t.fusion, device, fp8=bool(t.fp8), dtype=dtype)
     if notice and log is not None:
         log(notice)
     set_fusion(fusion)  # process-wide: RMSNorm, SwiGLU, RoPE, cross-entropy
