@@ -3,7 +3,7 @@
 `moetron.ops` routes to these under `set_fusion("cpp")` (the trainer's `train.fusion=auto` on a
 CPU). A small model's step is mostly per-op cost: the eager RMSNorm is ~10 ops each way, RoPE ~6,
 each costing more than its arithmetic. RoPE here equals the torch reference bit for bit; RMSNorm
-sums its squares in SIMD order, within a few ulp of it (moetron/csrc/rmsnorm_rope_cpu.cpp;
+sums its squares in 8 fixed lanes, within a few ulp of it (moetron/csrc/rmsnorm_rope_cpu.cpp;
 the bounds are in tests/test_norm_rope_cpp.py).
 """
 
