@@ -124,6 +124,8 @@ def _one_line(exc: BaseException) -> str:
 def load_permute_ops(verbose: bool = False):
     """Build (first time on this machine) and load the extension; return `torch.ops.moetron_permute`."""
     global _result, _build_seconds
+    if _result is not None and _result[0]:  # loaded: no lock on the per-call path of the kernels
+        return torch.ops.moetron_permute
     with _lock:
         start = time.perf_counter()
         if _result is None and _load_built_copy():
@@ -230,6 +232,12 @@ def load_swiglu_ops(verbose: bool = False):
     """The fused SwiGLU ops of the same library (`torch.ops.moetron_swiglu`); see `load_permute_ops`."""
     load_permute_ops(verbose)
     return torch.ops.moetron_swiglu
+
+
+def load_norm_ops(verbose: bool = False):
+    """The CPU RMSNorm and RoPE of the same library (`torch.ops.moetron_norm`); see `load_permute_ops`."""
+    load_permute_ops(verbose)
+    return torch.ops.moetron_norm
 
 
 def load_grouped_gemm_ops(verbose: bool = False):

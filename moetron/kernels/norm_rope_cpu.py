@@ -19,8 +19,7 @@ DTYPES = (torch.float32, torch.float64)
 
 def ops():
     """`torch.ops.moetron_norm`, building the C++ library on first use (raises `CppBuildError`)."""
-    cpp_build.load_permute_ops()
-    return torch.ops.moetron_norm
+    return cpp_build.load_norm_ops()
 
 
 class RMSNormFunction(torch.autograd.Function):
