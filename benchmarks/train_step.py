@@ -31,7 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the `moetron` command sets it (moetron/__main__.py)
+import torch  # noqa: E402  (the policy is read when torch loads OpenMP)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import format_table, time_interleaved
@@ -50,6 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=9, help="timed steps per candidate (after warm-up)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--wide-threads", type=int, default=1,
+                   help="moetron's experts' grouped GEMMs on this many threads (moetron/kernels/threads.py); "
+                        "`moetron train` gives a small model --threads 1 --wide-threads <cores>")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="extra recipe overrides")
     p.add_argument("--fused", action="store_true",
                    help="moetron with its fused C++/Triton kernels: train.permute_impl=auto and the experts' "
@@ -126,13 +130,17 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     import transformers
+    from moetron.kernels.threads import set_wide_threads
     from moetron.train.host import keep_freed_memory
 
     # what `moetron train` does on a CPU (unless a MALLOC_* variable is set): for both sides, one process
     kept = keep_freed_memory(torch.device("cpu"), lambda line: None)
+    set_wide_threads(args.wide_threads)  # moetron's C++ grouped GEMM; transformers' torch._grouped_mm keeps --threads
 
-    print(f"one training step, fp32 CPU, threads {torch.get_num_threads()}, torch {torch.__version__}, transformers "
+    print(f"one training step, fp32 CPU, threads {torch.get_num_threads()} (moetron's grouped GEMMs "
+          f"{max(args.wide_threads, args.threads)}), torch {torch.__version__}, transformers "
           f"{transformers.__version__}, python {platform.python_version()}, "
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
           f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_', 'unset')}, freed memory kept (the trainer's "
           f"glibc setting): {kept}, load before {os.getloadavg()[0]:.2f}, "
           f"moetron kernels: {'fused (--fused)' if args.fused else 'defaults'}")

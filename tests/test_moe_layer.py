@@ -407,3 +407,46 @@ def test_cpp_grouped_gemm_matches_per_expert_matmuls(threads):
     assert bool((got[2][[0, 3, 6]] == 0).all())
     with pytest.raises(RuntimeError, match="offsets end at"):
         ops.grouped_mm(x[1:], w, offsets, 0)
+
+
+def test_wide_grouped_gemm_runs_on_more_threads_with_the_same_bits(monkeypatch):
+    """A one-thread run gives the experts' grouped GEMM two threads (moetron/kernels/threads.py): the same
+    output and gradients to the bit, the GEMM really sees two threads, and the process gets one back."""
+    from moetron.kernels import cpp_build, threads
+    from moetron.moe.grouped_gemm import grouped_linear
+
+    if not cpp_build.cpp_status(build=True)[0]:
+        pytest.skip("no C++ compiler")
+    ops = cpp_build.load_grouped_gemm_ops()
+    seen = []
+
+    class Spy:  # the real kernel, recording the thread count it ran with
+        def grouped_mm(self, *args):
+            seen.append(torch.get_num_threads())
+            return ops.grouped_mm(*args)
+
+    monkeypatch.setattr(cpp_build, "load_grouped_gemm_ops", lambda: Spy())
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.tensor([300, 0, 17, 500, 211, 256, 700, 64])
+    x = torch.randn(int(rows.sum()), 64, generator=gen)
+    w = torch.randn(8, 128, 64, generator=gen)
+    dy = torch.randn(int(rows.sum()), 128, generator=gen)
+    results = {}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for wide in (1, 2):
+            threads.set_wide_threads(wide)
+            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = grouped_linear(xg, wg, rows, backend="cpp")
+            y.backward(dy)
+            results[wide] = (y.detach(), xg.grad, wg.grad)
+            assert torch.get_num_threads() == 1
+    finally:
+        threads.set_wide_threads(1)
+        torch.set_num_threads(before)
+    assert seen == [1, 1, 1, 2, 2, 2]  # forward, input grad, weight grad
+    for a, b in zip(results[1], results[2]):
+        assert a.abs().max() > 1 and torch.equal(a, b)
+    with pytest.raises(ValueError, match="wide-op threads"):
+        threads.set_wide_threads(0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moetron import ops
-from moetron.kernels import cpp_build, norm_rope_cpu
+from moetron.kernels import cpp_build, norm_rope_cpu, threads
 from moetron.ops import functional as fn
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -139,9 +139,18 @@ def test_a_cpu_run_takes_them_and_leaves_the_callers_mode(monkeypatch):
     recipe = apply_overrides(get_recipe("qwen3-moe-tiny"), ["model.num_layers=1", "train.steps=1",
                                                             "train.seq_len=16", "train.micro_batch_size=2"])
     assert recipe.train.fusion == "auto"
-    train(recipe, log=lambda s: None)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    lines = []
+    try:
+        train(recipe, log=lines.append)
+        # and gave the process back its mode and threads (one intra-op thread, two for the experts' GEMMs)
+        assert (ops.fusion_mode(), torch.get_num_threads(), threads.wide_threads()) == ("none", 2, 1)
+    finally:
+        torch.set_num_threads(before)
     assert calls  # train.fusion=auto took the C++ kernels on the CPU
-    assert ops.fusion_mode() == "none"  # and gave the process back its mode
+    assert any("2 for the experts' grouped GEMMs" in line for line in lines)
 
 
 def test_a_row_gets_the_same_bits_in_any_layout(fusion):

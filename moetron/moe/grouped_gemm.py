@@ -17,6 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from moetron import backends
 from moetron.kernels import cpp_build
+from moetron.kernels.threads import wide
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -75,15 +76,17 @@ class _CppGroupedLinear(torch.autograd.Function):
         ctx.ops = ops
         x_NH, w_EOH = x_NH.contiguous(), w_EOH.contiguous()
         ctx.save_for_backward(x_NH, w_EOH, offsets)
-        return ops.grouped_mm(x_NH, w_EOH, offsets, 0)
+        with wide():
+            return ops.grouped_mm(x_NH, w_EOH, offsets, 0)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_NO):
         x_NH, w_EOH, offsets = ctx.saved_tensors
         grad_NO = grad_NO.contiguous()
-        grad_x = ctx.ops.grouped_mm(grad_NO, w_EOH, offsets, 1) if ctx.needs_input_grad[0] else None
-        grad_w = ctx.ops.grouped_mm(grad_NO, x_NH, offsets, 2) if ctx.needs_input_grad[1] else None
+        with wide():
+            grad_x = ctx.ops.grouped_mm(grad_NO, w_EOH, offsets, 1) if ctx.needs_input_grad[0] else None
+            grad_w = ctx.ops.grouped_mm(grad_NO, x_NH, offsets, 2) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None
 
 

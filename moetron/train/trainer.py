@@ -38,6 +38,7 @@ from moetron.checkpoint.verify import read_meta
 from moetron.data.builtin import TokenBatches, stdlib_corpus
 from moetron.moe.layer import load_summary
 from moetron.ops import fusion_mode, set_fusion
+from moetron.kernels.threads import set_wide_threads, wide_threads
 from moetron.train.host import keep_freed_memory, small_model_threads
 from moetron.train.evaluation import Sampler, build_data, check_supported, validation_loss
 from moetron.train.metrics import MetricsLogger, describe_run
@@ -61,7 +62,7 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
     source = checkpoint_source(recipe)  # the checkpoint's config is the model
     if source is not None:
         check_model_matches(recipe, source)
-    threads, fusion = torch.get_num_threads(), fusion_mode()
+    threads, wide, fusion = torch.get_num_threads(), wide_threads(), fusion_mode()
     try:
         run, hint = _start(recipe, log)
         say = log if run.is_main else (lambda s: None)
@@ -70,6 +71,7 @@ def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
         return _train(recipe, run, hint, say, memory, source, log)
     finally:  # the caller's process-wide settings, as they were before the run
         torch.set_num_threads(threads)
+        set_wide_threads(wide)
         set_fusion(fusion)
 
 
