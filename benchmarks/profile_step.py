@@ -3,17 +3,20 @@
     python benchmarks/profile_step.py --recipe qwen3-moe-tiny --set train.dtype=bf16 ...
     python benchmarks/profile_step.py --rows 30 --sort self_cpu_time_total
 
-Builds the run exactly as `moetron train` does (same overrides), runs `--warmup` steps, then
-profiles `--steps` steps and prints the op table (device time on a GPU, CPU time otherwise) and
-the split of wall time between forward+backward, gradient sync and optimizer step.
+Builds the run exactly as `moetron train` does (same overrides, OpenMP wait policy and host choices),
+runs `--warmup` steps, then profiles `--steps` steps and prints the op table (device time on a GPU,
+CPU time otherwise) and the split of wall time between forward+backward, gradient sync and optimizer
+step.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the `moetron` command sets it (moetron/__main__.py)
+import torch  # noqa: E402  (the policy is read when torch loads OpenMP)
 
 
 def main(argv=None) -> None:
@@ -32,11 +35,16 @@ def main(argv=None) -> None:
     from moetron.recipes import apply_overrides, get_recipe
     from moetron.train import trainer
     from moetron.data.builtin import TokenBatches, stdlib_corpus
+    from moetron.train.host import keep_freed_memory, small_model_threads
     from moetron.train.setup import build_run
 
     recipe = apply_overrides(get_recipe(args.recipe), args.set)
     t = recipe.train
     run = build_run(recipe, log=print)
+    # the host choices `moetron train` makes on a CPU (threads, freed memory kept): without them a mid-size
+    # step's fresh tensors page-fault every step and a tiny model's ops meet second-thread barriers
+    small_model_threads(run, recipe, print)
+    keep_freed_memory(run.device, print)
     data = TokenBatches(stdlib_corpus(), t.seq_len, t.micro_batch_size, t.seed)
     flops = training_flops_per_token(recipe.model, t.seq_len)
     cuda = run.device.type == "cuda"

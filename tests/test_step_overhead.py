@@ -1,8 +1,8 @@
 """What the default run's start-up and small-model step avoid, each against an independent reference:
 the corpus walk against `sorted(rglob)`, the dynamo-free AdamW against torch.optim.AdamW (and no
 torch._dynamo import in a whole trainer step, in a fresh process), the eager RMSNorm / RoPE autograd
-Functions against the reference bodies (and float64 gradcheck), and SDPA's own GQA against the
-expanded kv heads."""
+Functions against the reference bodies (and float64 gradcheck), SDPA's own GQA against the
+expanded kv heads, and the trainer's gradient clipping against torch's clip_grad_norm_."""
 
 import os
 import subprocess
@@ -165,3 +165,28 @@ def test_cpu_sdpa_reads_kv_heads_for_their_groups_as_the_expanded_reference(quer
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_norm_of_norm", [2.0, 0.5, 1.0])  # no clip, clip, at the norm itself
+def test_clipping_equals_torch_and_skips_the_pass_that_multiplies_by_one(monkeypatch, max_norm_of_norm):
+    from moetron.train import trainer
+
+    if not hasattr(torch.nn.utils, "get_total_norm"):
+        pytest.skip("torch < 2.6: the trainer calls clip_grad_norm_ itself")
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(7, 5), (5,), (3, 4, 2)]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    max_norm = float(norm) * max_norm_of_norm
+    ours, ref = ([torch.nn.Parameter(torch.zeros(s)) for s in shapes] for _ in range(2))
+    for a, b, g in zip(ours, ref, grads):
+        a.grad, b.grad = g.clone(), g.clone()
+    passes = []
+    real = torch.nn.utils.clip_grads_with_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", lambda *a, **k: passes.append(1) or real(*a, **k))
+    got = trainer._clip_grad_norm(ours + [torch.nn.Parameter(torch.zeros(2))], max_norm)  # one without a grad
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm, foreach=True)
+    assert torch.equal(got, want) and float(got) > 1
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, ref))
+    assert passes == ([] if max_norm_of_norm == 2.0 else [1])  # at the norm itself torch's coef is < 1
+    assert any(not torch.equal(a.grad, g) for a, g in zip(ours, grads)) == (max_norm_of_norm != 2.0)

@@ -3,7 +3,7 @@
 A small model trains on one intra-op thread (moetron/train/host.py): most of its ops are too small for
 a second thread to pay for the barrier where the threads meet. The experts' grouped GEMM is not: it
 does a whole layer's expert matmuls in one call and hands the experts to whichever thread is free
-(csrc/grouped_gemm_cpu.cpp), so two threads finish it ~1.7x sooner at the default recipe's sizes, a
+(csrc/grouped_gemm_cpu.cpp), so two threads finish it ~1.3x sooner in a default-recipe step, a
 descheduled partner costs little, and the result is the same to the bit. `wide()` raises the thread
 count around such a call and puts it back; with `set_wide_threads(1)` (the default) it does nothing.
 """

@@ -15,6 +15,7 @@ import torch
 from moetron.kernels.threads import set_wide_threads
 
 SMALL_OP_ELEMENTS = 1 << 18  # activation elements per op (tokens x hidden) below which a model is "small"
+WIDE_THREADS = 2  # threads for a small model's grouped GEMMs: measured on 2 cores, more is untested
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 
@@ -28,15 +29,16 @@ def _one_cpu_process(run) -> bool:
 
 
 def small_model_threads(run, recipe, say) -> None:
-    """One-process CPU training of a small model: one intra-op thread, all of them for the experts' GEMMs.
+    """One-process CPU training of a small model: one intra-op thread, two for the experts' GEMMs.
 
     Every op is an OpenMP parallel region whose threads meet at a barrier. At the default recipe's
     sizes (1024 tokens x 64 hidden = 65,536 elements) a second thread saves nothing: most ops are below
     torch's parallel grain, the rest wait at the barrier. At the mid-size proxy's (1024 x 512) two
     threads train 1.46x faster on a quiet 2-core machine (895 vs 615 tokens/s) and as fast as one
     when another process is busy (546 vs 572), now that waiting threads sleep (moetron/__main__.py;
-    spinning, they ran 148). The experts' grouped GEMM still gets every thread (kernels/threads.py):
-    at the default recipe it is 1.7x faster on two, with the same bits. `OMP_NUM_THREADS` overrides.
+    spinning, they ran 148). The experts' grouped GEMM still gets two threads (kernels/threads.py): the
+    same bits, 1.3x faster in a default-recipe step (4-5 % of the step) on a quiet machine, ~4 % slower
+    beside a busy process. `OMP_NUM_THREADS` overrides.
     """
     cores = torch.get_num_threads()
     if not _one_cpu_process(run) or "OMP_NUM_THREADS" in os.environ or cores < 2:
@@ -44,9 +46,10 @@ def small_model_threads(run, recipe, say) -> None:
     elements = _elements(recipe)
     if elements < SMALL_OP_ELEMENTS:
         torch.set_num_threads(1)
-        set_wide_threads(cores)
+        wide = min(cores, WIDE_THREADS)
+        set_wide_threads(wide)
         say(f"threads: 1 of {cores} intra-op threads ({elements:,} activation elements per op < "
-            f"{SMALL_OP_ELEMENTS:,}: a second thread only waits at every op's barrier), {cores} for the experts' "
+            f"{SMALL_OP_ELEMENTS:,}: a second thread only waits at every op's barrier), {wide} for the experts' "
             "grouped GEMMs; set OMP_NUM_THREADS to choose")
 
 
