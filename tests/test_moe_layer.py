@@ -409,9 +409,9 @@ def test_cpp_grouped_gemm_matches_per_expert_matmuls(threads):
         ops.grouped_mm(x[1:], w, offsets, 0)
 
 
-def test_wide_grouped_gemm_runs_on_more_threads_with_the_same_bits(monkeypatch):
-    """A one-thread run gives the experts' grouped GEMM two threads (moetron/kernels/threads.py): the same
-    output and gradients to the bit, the GEMM really sees two threads, and the process gets one back."""
+def test_wide_grouped_gemm_takes_a_helper_with_the_same_bits(monkeypatch):
+    """A one-thread run gives the experts' grouped GEMM a helper task (moetron/kernels/threads.py): the same
+    output and gradients to the bit, the kernel really gets the helper, and the thread count is untouched."""
     from moetron.kernels import cpp_build, threads
     from moetron.moe.grouped_gemm import grouped_linear
 
@@ -420,9 +420,9 @@ def test_wide_grouped_gemm_runs_on_more_threads_with_the_same_bits(monkeypatch):
     ops = cpp_build.load_grouped_gemm_ops()
     seen = []
 
-    class Spy:  # the real kernel, recording the thread count it ran with
+    class Spy:  # the real kernel, recording the helpers it was given
         def grouped_mm(self, *args):
-            seen.append(torch.get_num_threads())
+            seen.append(args[4])
             return ops.grouped_mm(*args)
 
     monkeypatch.setattr(cpp_build, "load_grouped_gemm_ops", lambda: Spy())
@@ -433,20 +433,23 @@ def test_wide_grouped_gemm_runs_on_more_threads_with_the_same_bits(monkeypatch):
     dy = torch.randn(int(rows.sum()), 128, generator=gen)
     results = {}
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        for wide in (1, 2):
+        for intra, wide in ((1, 1), (1, 2), (1, 3), (2, 2)):
+            torch.set_num_threads(intra)
             threads.set_wide_threads(wide)
             xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
             y = grouped_linear(xg, wg, rows, backend="cpp")
             y.backward(dy)
-            results[wide] = (y.detach(), xg.grad, wg.grad)
-            assert torch.get_num_threads() == 1
+            results[intra, wide] = (y.detach(), xg.grad, wg.grad)
+            assert torch.get_num_threads() == intra
     finally:
         threads.set_wide_threads(1)
         torch.set_num_threads(before)
-    assert seen == [1, 1, 1, 2, 2, 2]  # forward, input grad, weight grad
-    for a, b in zip(results[1], results[2]):
-        assert a.abs().max() > 1 and torch.equal(a, b)
+    assert seen == [0] * 3 + [1] * 3 + [2] * 3 + [0] * 3  # forward, input grad, weight grad
+    for got in list(results.values())[1:]:
+        for a, b in zip(results[1, 1], got):
+            assert a.abs().max() > 1 and torch.equal(a, b)
     with pytest.raises(ValueError, match="wide-op threads"):
         threads.set_wide_threads(0)
+    with pytest.raises(RuntimeError, match="helpers must be >= 0"):
+        ops.grouped_mm(x, w, rows.cumsum(0), 0, -1)

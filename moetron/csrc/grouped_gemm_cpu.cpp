@@ -13,9 +13,12 @@
 // call; on a shared or oversubscribed machine a descheduled partner stalls each of them. Here one
 // parallel region per call hands out pieces, in order, to whichever thread is free: whole experts
 // first, then, for the last few experts' work, pieces of 128 rows (modes 0, 1) or 128 output rows
-// (mode 2), so that the threads finish together; each piece is one single-threaded BLAS call (inside the parallel region the BLAS runs
-// sequentially). No reduction is split, so every output element is summed as one BLAS call sums it:
-// results equal per-expert matmuls (tests/test_moe_layer.py: within 1e-6, equal in practice).
+// (mode 2), so that the threads finish together; each piece is one single-threaded BLAS call (inside
+// the parallel region the BLAS runs sequentially). With `helpers` > 0 (a small model that trains on one
+// intra-op thread) the pieces go instead to the calling thread and that many tasks on torch's inter-op
+// pool, and the caller never waits for a helper that has not started. No reduction is split, so every
+// output element is summed as one BLAS call sums it: results equal per-expert matmuls
+// (tests/test_moe_layer.py: within 1e-6, equal in practice), the same bits for any thread count.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,6 +28,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -45,19 +52,60 @@ std::vector<int64_t> row_ends(const Tensor& offsets, int64_t N) {
   return ends;
 }
 
-int64_t threads_for(int64_t work) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work)); }
+// Who runs the pieces: torch's intra-op threads (helpers == 0), or the calling thread and `helpers` tasks
+// on torch's inter-op pool (a small model on one intra-op thread: moetron/kernels/threads.py).
+int64_t threads_for(int64_t helpers, int64_t work) {
+  return std::max<int64_t>(1, std::min<int64_t>(helpers > 0 ? helpers + 1 : at::get_num_threads(), work));
+}
 
 // A piece of work: rows [r0, r1) of expert e (modes 0, 1) or its output rows [r0, r1) (mode 2).
 struct Piece {
   int64_t e, r0, r1;
 };
 
-// Runs fn(piece) for every piece on the intra-op threads, each piece taken by the next free thread
-// (an atomic counter): a thread that another process descheduled simply takes fewer pieces.
-template <typename Fn>
-void run_pieces(const std::vector<Piece>& pieces, Fn fn) {
+// The calling thread and `helpers` inter-op tasks take pieces from one counter. The caller waits only for
+// pieces a helper has started: a helper that gets no core before the pieces run out costs nothing, where
+// an OpenMP region waits at its closing barrier for every thread to arrive.
+void run_with_helpers(const std::vector<Piece>& pieces, int64_t helpers, const std::function<void(const Piece&)>& fn) {
+  struct Shared {
+    std::vector<Piece> pieces;
+    std::function<void(const Piece&)> fn;  // refers to the caller's tensors: runs only while the caller waits
+    std::atomic<int64_t> next{0}, busy{0};
+    std::atomic<bool> failed{false};
+    std::exception_ptr error;
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->pieces = pieces;
+  shared->fn = fn;
   const int64_t n = static_cast<int64_t>(pieces.size());
-  const int64_t P = threads_for(n);
+  auto take = [n](Shared& s) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // the inner matmuls stay below autograd
+    try {
+      for (int64_t i = s.next.fetch_add(1); i < n; i = s.next.fetch_add(1)) s.fn(s.pieces[i]);
+    } catch (...) {
+      s.next.store(n);  // nobody starts another piece
+      if (!s.failed.exchange(true)) s.error = std::current_exception();
+    }
+  };
+  for (int64_t h = 0; h < helpers; ++h) {
+    at::launch([shared, take] {
+      shared->busy.fetch_add(1);  // before taking a piece: the caller then waits for it
+      take(*shared);
+      shared->busy.fetch_sub(1);
+    });
+  }
+  take(*shared);
+  while (shared->busy.load() != 0) std::this_thread::yield();
+  if (shared->failed.load()) std::rethrow_exception(shared->error);
+}
+
+// Runs fn(piece) for every piece, each taken by the next free thread (an atomic counter): a thread that
+// another process descheduled simply takes fewer pieces.
+template <typename Fn>
+void run_pieces(const std::vector<Piece>& pieces, int64_t helpers, Fn fn) {
+  const int64_t n = static_cast<int64_t>(pieces.size());
+  const int64_t P = threads_for(helpers, n);
+  if (helpers > 0 && P > 1) return run_with_helpers(pieces, P - 1, fn);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, P, 1, [&](int64_t, int64_t) {
     // the pool's threads have their own grad mode: keep the inner matmuls below autograd
@@ -82,18 +130,18 @@ std::vector<int64_t> starts_of(const std::vector<int64_t>& ends) {
   return starts;
 }
 
-Tensor rows_mm(const Tensor& a, const Tensor& b, const std::vector<int64_t>& ends, bool transpose_b) {
+Tensor rows_mm(const Tensor& a, const Tensor& b, const std::vector<int64_t>& ends, bool transpose_b, int64_t helpers) {
   const int64_t N = a.size(0), O = transpose_b ? b.size(1) : b.size(2);
   Tensor out = at::empty({N, O}, a.options());
   const std::vector<int64_t> starts = starts_of(ends);
-  const int64_t tail = N - 4 * threads_for(N) * kSmallRows;  // rows from here on go in small pieces
+  const int64_t tail = N - 4 * threads_for(helpers, N) * kSmallRows;  // rows from here on go in small pieces
   std::vector<Piece> pieces;
   for (size_t e = 0; e < ends.size(); ++e) {
     const int64_t split = std::min(ends[e], std::max(starts[e], tail));
     cut(pieces, static_cast<int64_t>(e), starts[e], split, kBigRows);
     cut(pieces, static_cast<int64_t>(e), split, ends[e], kSmallRows);
   }
-  run_pieces(pieces, [&](const Piece& p) {
+  run_pieces(pieces, helpers, [&](const Piece& p) {
     Tensor o = out.narrow(0, p.r0, p.r1 - p.r0);
     const Tensor w = b.select(0, p.e);
     at::mm_out(o, a.narrow(0, p.r0, p.r1 - p.r0), transpose_b ? w.t() : w);
@@ -101,12 +149,12 @@ Tensor rows_mm(const Tensor& a, const Tensor& b, const std::vector<int64_t>& end
   return out;
 }
 
-Tensor weight_grad_mm(const Tensor& a, const Tensor& b, const std::vector<int64_t>& ends) {
+Tensor weight_grad_mm(const Tensor& a, const Tensor& b, const std::vector<int64_t>& ends, int64_t helpers) {
   const int64_t E = static_cast<int64_t>(ends.size()), O = a.size(1), K = b.size(1);
   Tensor out = at::empty({E, O, K}, a.options());
   const std::vector<int64_t> starts = starts_of(ends);
   // whole experts while more than ~2 experts' work per thread remains, then pieces of 128 output rows
-  const int64_t N = a.size(0), P = threads_for(N);
+  const int64_t N = a.size(0), P = threads_for(helpers, N);
   const int64_t tail = N - std::min<int64_t>(N, 2 * P * (N / std::max<int64_t>(E, 1)));
   std::vector<Piece> pieces;
   for (int64_t e = 0; e < E; ++e) {
@@ -116,7 +164,7 @@ Tensor weight_grad_mm(const Tensor& a, const Tensor& b, const std::vector<int64_
     }
     cut(pieces, e, 0, O, ends[e] <= tail ? O : kSmallRows);
   }
-  run_pieces(pieces, [&](const Piece& p) {
+  run_pieces(pieces, helpers, [&](const Piece& p) {
     const int64_t rows = ends[p.e] - starts[p.e];
     Tensor o = out.select(0, p.e).narrow(0, p.r0, p.r1 - p.r0);
     at::mm_out(o, a.narrow(0, starts[p.e], rows).narrow(1, p.r0, p.r1 - p.r0).t(), b.narrow(0, starts[p.e], rows));
@@ -124,7 +172,8 @@ Tensor weight_grad_mm(const Tensor& a, const Tensor& b, const std::vector<int64_
   return out;
 }
 
-Tensor grouped_mm(const Tensor& a_in, const Tensor& b_in, const Tensor& offsets, int64_t mode) {
+Tensor grouped_mm(const Tensor& a_in, const Tensor& b_in, const Tensor& offsets, int64_t mode, int64_t helpers) {
+  TORCH_CHECK(helpers >= 0, "moetron grouped_mm (cpp): helpers must be >= 0, got ", helpers);
   TORCH_CHECK(a_in.device().is_cpu() && b_in.device().is_cpu(), "moetron grouped_mm (cpp): CPU tensors only");
   TORCH_CHECK(a_in.scalar_type() == b_in.scalar_type(), "moetron grouped_mm (cpp): operands of one dtype, got ",
               a_in.scalar_type(), " and ", b_in.scalar_type());
@@ -137,16 +186,16 @@ Tensor grouped_mm(const Tensor& a_in, const Tensor& b_in, const Tensor& offsets,
     TORCH_CHECK(b.dim() == 3 && b.size(0) == E && b.size(inner) == a.size(1), "moetron grouped_mm (cpp) mode ",
                 mode, ": b must be [E=", E, ", ", mode == 0 ? "O, K=" : "O=", a.size(1), mode == 0 ? "]" : ", K]",
                 ", got ", b.sizes());
-    return rows_mm(a, b, ends, mode == 0);
+    return rows_mm(a, b, ends, mode == 0, helpers);
   }
   TORCH_CHECK(mode == 2, "moetron grouped_mm (cpp): mode must be 0, 1 or 2, got ", mode);
   TORCH_CHECK(b.dim() == 2 && b.size(0) == a.size(0), "moetron grouped_mm (cpp) mode 2: b must be [N=", a.size(0),
               ", K], got ", b.sizes());
-  return weight_grad_mm(a, b, ends);
+  return weight_grad_mm(a, b, ends, helpers);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(moetron_gemm, m) {
-  m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets, int mode) -> Tensor", &grouped_mm);
+  m.def("grouped_mm(Tensor a, Tensor b, Tensor offsets, int mode, int helpers=0) -> Tensor", &grouped_mm);
 }

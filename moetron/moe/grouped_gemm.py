@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from moetron import backends
 from moetron.kernels import cpp_build
-from moetron.kernels.threads import wide
+from moetron.kernels.threads import helper_threads
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -76,17 +76,16 @@ class _CppGroupedLinear(torch.autograd.Function):
         ctx.ops = ops
         x_NH, w_EOH = x_NH.contiguous(), w_EOH.contiguous()
         ctx.save_for_backward(x_NH, w_EOH, offsets)
-        with wide():
-            return ops.grouped_mm(x_NH, w_EOH, offsets, 0)
+        return ops.grouped_mm(x_NH, w_EOH, offsets, 0, helper_threads())
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_NO):
         x_NH, w_EOH, offsets = ctx.saved_tensors
         grad_NO = grad_NO.contiguous()
-        with wide():
-            grad_x = ctx.ops.grouped_mm(grad_NO, w_EOH, offsets, 1) if ctx.needs_input_grad[0] else None
-            grad_w = ctx.ops.grouped_mm(grad_NO, x_NH, offsets, 2) if ctx.needs_input_grad[1] else None
+        helpers = helper_threads()
+        grad_x = ctx.ops.grouped_mm(grad_NO, w_EOH, offsets, 1, helpers) if ctx.needs_input_grad[0] else None
+        grad_w = ctx.ops.grouped_mm(grad_NO, x_NH, offsets, 2, helpers) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None
 
 

@@ -36,9 +36,9 @@ def small_model_threads(run, recipe, say) -> None:
     torch's parallel grain, the rest wait at the barrier. At the mid-size proxy's (1024 x 512) two
     threads train 1.46x faster on a quiet 2-core machine (895 vs 615 tokens/s) and as fast as one
     when another process is busy (546 vs 572), now that waiting threads sleep (moetron/__main__.py;
-    spinning, they ran 148). The experts' grouped GEMM still gets two threads (kernels/threads.py): the
-    same bits, 1.3x faster in a default-recipe step (4-5 % of the step) on a quiet machine, ~4 % slower
-    beside a busy process. `OMP_NUM_THREADS` overrides.
+    spinning, they ran 148). The experts' grouped GEMM still gets a helper thread (kernels/threads.py):
+    the same bits, 1.25x faster (4 % of a default-recipe step) on a quiet machine, and within -1..+3 % of
+    one thread beside a busy process. `OMP_NUM_THREADS` overrides.
     """
     cores = torch.get_num_threads()
     if not _one_cpu_process(run) or "OMP_NUM_THREADS" in os.environ or cores < 2:
