@@ -22,6 +22,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/mm_cpu_dispatch.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
@@ -114,6 +115,12 @@ void run_pieces(const std::vector<Piece>& pieces, int64_t helpers, Fn fn) {
   });
 }
 
+// A view of contiguous `t`'s memory made without the dispatcher (narrow, select and t each pass through it:
+// ~10 calls a piece, more than a small piece's arithmetic is worth); it lives for one BLAS call, within t's.
+Tensor view_of(const Tensor& t, int64_t offset, at::IntArrayRef sizes, at::IntArrayRef strides) {
+  return at::from_blob(static_cast<char*>(t.data_ptr()) + offset * t.element_size(), sizes, strides, t.options());
+}
+
 // Rows [start, end) cut into pieces of at most `step` rows, in equal parts, appended to `pieces`.
 void cut(std::vector<Piece>& pieces, int64_t e, int64_t start, int64_t end, int64_t step) {
   const int64_t n = end - start, parts = (n + step - 1) / step;
@@ -141,10 +148,12 @@ Tensor rows_mm(const Tensor& a, const Tensor& b, const std::vector<int64_t>& end
     cut(pieces, static_cast<int64_t>(e), starts[e], split, kBigRows);
     cut(pieces, static_cast<int64_t>(e), split, ends[e], kSmallRows);
   }
+  const int64_t Ka = a.size(1), B1 = b.size(1), B2 = b.size(2);
   run_pieces(pieces, helpers, [&](const Piece& p) {
-    Tensor o = out.narrow(0, p.r0, p.r1 - p.r0);
-    const Tensor w = b.select(0, p.e);
-    at::mm_out(o, a.narrow(0, p.r0, p.r1 - p.r0), transpose_b ? w.t() : w);
+    const int64_t rows = p.r1 - p.r0, w0 = p.e * B1 * B2;
+    Tensor o = view_of(out, p.r0 * O, {rows, O}, {O, 1});
+    const Tensor w = transpose_b ? view_of(b, w0, {B2, B1}, {1, B2}) : view_of(b, w0, {B1, B2}, {B2, 1});
+    at::cpu::mm_out(o, view_of(a, p.r0 * Ka, {rows, Ka}, {Ka, 1}), w);
   });
   return out;
 }
@@ -165,9 +174,10 @@ Tensor weight_grad_mm(const Tensor& a, const Tensor& b, const std::vector<int64_
     cut(pieces, e, 0, O, ends[e] <= tail ? O : kSmallRows);
   }
   run_pieces(pieces, helpers, [&](const Piece& p) {
-    const int64_t rows = ends[p.e] - starts[p.e];
-    Tensor o = out.select(0, p.e).narrow(0, p.r0, p.r1 - p.r0);
-    at::mm_out(o, a.narrow(0, starts[p.e], rows).narrow(1, p.r0, p.r1 - p.r0).t(), b.narrow(0, starts[p.e], rows));
+    const int64_t rows = ends[p.e] - starts[p.e], outs = p.r1 - p.r0;
+    Tensor o = view_of(out, (p.e * O + p.r0) * K, {outs, K}, {K, 1});
+    at::cpu::mm_out(o, view_of(a, starts[p.e] * O + p.r0, {outs, rows}, {1, O}),
+                    view_of(b, starts[p.e] * K, {rows, K}, {K, 1}));
   });
   return out;
 }
