@@ -1,14 +1,20 @@
 """Wide ops: the few kernels of a small model that run on more threads than its other ops.
 
 A small model trains on one intra-op thread (moetron/train/host.py): most of its ops are too small for
-a second thread to pay for the barrier where the threads meet. The experts' grouped GEMM is not: it
-does a whole layer's expert matmuls in one call and hands the experts to whichever thread is free
-(csrc/grouped_gemm_cpu.cpp). With `set_wide_threads(2)` the calling thread gets a helper task on
-torch's inter-op pool for it, and waits only for pieces the helper has started, so a helper that
-another process keeps off its core costs nothing. The result is the same to the bit.
+a second thread to pay for the barrier where the threads meet. Two are not, and with
+`set_wide_threads(2)` each gets a helper that the caller never waits for before it has started (a
+helper that another process keeps off its core costs nothing); the results are the same to the bit:
+- the experts' grouped GEMM hands whole experts to the caller and a task on torch's inter-op pool
+  (`helper_threads`, csrc/grouped_gemm_cpu.cpp);
+- the attention core runs half of the batch on a helper thread (`run_beside`, kernels/sdpa_cpu.py).
 """
 
 from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Any, Callable
 
 import torch
 
@@ -31,3 +37,64 @@ def helper_threads() -> int:
     """Helper tasks a wide op adds to the calling thread: none where the intra-op threads already
     number as many (they run it as every other op)."""
     return _wide_threads - 1 if _wide_threads > torch.get_num_threads() else 0
+
+
+class _Task:
+    """A call that either the helper or the caller runs: whoever claims it first, in the caller's grad
+    mode (grad mode is per thread: the helper's own would record a graph of the call)."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn, self.result, self.error = fn, None, None
+        self.grad = torch.is_grad_enabled()
+        self._claim, self.done = threading.Lock(), threading.Event()
+
+    def claim(self) -> bool:
+        return self._claim.acquire(blocking=False)
+
+    def run(self) -> None:
+        try:
+            with torch.set_grad_enabled(self.grad):
+                self.result = self.fn()
+        except BaseException as exc:  # handed to the caller, which raises it
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+class _Helper:
+    """One daemon thread that runs the side half of `run_beside` calls; started on first use in each
+    process (a forked child has none of its parent's threads)."""
+
+    def __init__(self):
+        self.pid, self.jobs = None, queue.SimpleQueue()
+
+    def submit(self, task: _Task) -> None:
+        if self.pid != os.getpid():
+            self.pid, self.jobs = os.getpid(), queue.SimpleQueue()
+            threading.Thread(target=self._loop, args=(self.jobs,), name="moetron-wide-op", daemon=True).start()
+        self.jobs.put(task)
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue) -> None:
+        while True:
+            task = jobs.get()
+            if task.claim():
+                task.run()
+
+
+_helper = _Helper()
+
+
+def run_beside(main: Callable[[], Any], side: Callable[[], Any]) -> tuple[Any, Any]:
+    """`(main(), side())`, side on the helper thread where it starts in time: torch's ops release the
+    GIL, so the two overlap. The caller runs `side` itself if the helper has not claimed it by the
+    time `main` is done, so a helper kept off its core by another process costs nothing."""
+    task = _Task(side)
+    _helper.submit(task)
+    first = main()
+    if task.claim():
+        return first, side()
+    task.done.wait()
+    if task.error is not None:
+        raise task.error
+    return first, task.result

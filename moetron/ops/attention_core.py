@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moetron import backends
+from moetron.kernels import sdpa_cpu
 
 
 def _expand_kv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -100,6 +101,8 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     if not gqa:
         k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
     if Sq == Sk:
+        if sdpa_cpu.applies(q, k, v):  # a small CPU model: half of the batch on a helper thread, the same bits
+            return sdpa_cpu.SplitCausalAttention.apply(q, k, v, scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     # Bottom-right causal mask as a boolean tensor (torch.nn.attention.bias would import torch._dynamo:
     # over a second of start-up for every run).

@@ -15,7 +15,7 @@ import torch
 from moetron.kernels.threads import set_wide_threads
 
 SMALL_OP_ELEMENTS = 1 << 18  # activation elements per op (tokens x hidden) below which a model is "small"
-WIDE_THREADS = 2  # threads for a small model's grouped GEMMs: measured on 2 cores, more is untested
+WIDE_THREADS = 2  # threads for a small model's widest ops (a helper): measured on 2 cores, more is untested
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 
@@ -29,16 +29,16 @@ def _one_cpu_process(run) -> bool:
 
 
 def small_model_threads(run, recipe, say) -> None:
-    """One-process CPU training of a small model: one intra-op thread, two for the experts' GEMMs.
+    """One-process CPU training of a small model: one intra-op thread, and a helper for its widest ops.
 
     Every op is an OpenMP parallel region whose threads meet at a barrier. At the default recipe's
     sizes (1024 tokens x 64 hidden = 65,536 elements) a second thread saves nothing: most ops are below
     torch's parallel grain, the rest wait at the barrier. At the mid-size proxy's (1024 x 512) two
     threads train 1.46x faster on a quiet 2-core machine (895 vs 615 tokens/s) and as fast as one
     when another process is busy (546 vs 572), now that waiting threads sleep (moetron/__main__.py;
-    spinning, they ran 148). The experts' grouped GEMM still gets a helper thread (kernels/threads.py):
-    the same bits, 1.25x faster (4 % of a default-recipe step) on a quiet machine, and within -1..+3 % of
-    one thread beside a busy process. `OMP_NUM_THREADS` overrides.
+    spinning, they ran 148). The experts' grouped GEMM and the attention core still get a helper thread
+    (kernels/threads.py): the same bits, 7-11 % off a default-recipe step's median on a quiet machine,
+    +3 % beside a busy process. `OMP_NUM_THREADS` overrides.
     """
     cores = torch.get_num_threads()
     if not _one_cpu_process(run) or "OMP_NUM_THREADS" in os.environ or cores < 2:
@@ -50,7 +50,7 @@ def small_model_threads(run, recipe, say) -> None:
         set_wide_threads(wide)
         say(f"threads: 1 of {cores} intra-op threads ({elements:,} activation elements per op < "
             f"{SMALL_OP_ELEMENTS:,}: a second thread only waits at every op's barrier), {wide} for the experts' "
-            "grouped GEMMs; set OMP_NUM_THREADS to choose")
+            "grouped GEMMs and the attention core; set OMP_NUM_THREADS to choose")
 
 
 def user_chose_allocator(environ) -> bool:
