@@ -116,6 +116,14 @@ class ModelConfig:
             _fail("first_k_dense_replace", self.first_k_dense_replace, f"must be in 0..{self.num_layers}")
         if self.num_mtp_layers and self.family != "deepseek_v3":
             _fail("num_mtp_layers", self.num_mtp_layers, "MTP modules exist for deepseek_v3 only")
+        if self.family != "deepseek_v3":  # only DeepSeek-V3's sigmoid router has an expert bias
+            for name in ("bias_update_rate", "bias_update_counts"):
+                default = type(self).__dataclass_fields__[name].default
+                if getattr(self, name) != default:
+                    _fail(name, getattr(self, name),
+                          f"tunes the expert bias of aux-loss-free balancing, which only the deepseek_v3 family has "
+                          f"(a sigmoid router; Megatron refuses --moe-router-enable-expert-bias with softmax): leave "
+                          f"it at {default!r} and balance {self.family} with model.aux_loss_coeff")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("yarn", "default"):

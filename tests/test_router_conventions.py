@@ -7,6 +7,7 @@ router and Switch loss called directly. Every check also shows that the other co
 different answer on the same input, so none of them can pass by accident.
 """
 
+import dataclasses
 import math
 from fractions import Fraction
 
@@ -162,8 +163,17 @@ def test_deepseek_recipes_count_as_the_paper_and_bad_values_name_the_field():
         ModelConfig(**base, aux_loss_counts="topk")
     with pytest.raises(ValueError, match=r"MoEConfig\.bias_update_counts='after'"):
         MoEConfig(hidden_size=H, ffn_hidden_size=8, **DSV3, bias_update_counts="after")
+    # qwen3_moe has no expert bias: its knobs are errors naming the recipe field and the fix
+    with pytest.raises(ValueError, match=r"ModelConfig\.bias_update_counts='kept'.*only the deepseek_v3.*aux_loss_coeff"):
+        ModelConfig(**base, bias_update_counts="kept")
+    with pytest.raises(ValueError, match=r"ModelConfig\.bias_update_rate=0\.01.*leave it at 0\.001"):
+        ModelConfig(**base, bias_update_rate=0.01)
     with pytest.raises(ValueError, match=r"MoEConfig\.bias_update_counts='kept'.*expert_bias=True"):
-        ModelConfig(**base, bias_update_counts="kept")  # qwen3_moe has no expert bias
+        MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2, bias_update_counts="kept")
+    with pytest.raises(ValueError, match=r"MoEConfig\.bias_update_rate=0\.01.*expert_bias=True"):
+        MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2, bias_update_rate=0.01)
+    ds = get_recipe("deepseek-v3-tiny").model
+    assert dataclasses.replace(ds, bias_update_rate=0.01).moe_config().bias_update_rate == 0.01
 
 
 # ---- row 2: the group score ------------------------------------------------------------------------------

@@ -97,6 +97,9 @@ class MoEConfig:
         if self.bias_update_counts == "kept" and not self.expert_bias:
             _fail("bias_update_counts", "kept",
                   "has no effect without expert_bias=True (the deepseek_v3 family sets it)")
+        if self.bias_update_rate != type(self).__dataclass_fields__["bias_update_rate"].default and not self.expert_bias:
+            _fail("bias_update_rate", self.bias_update_rate,
+                  "has no effect without expert_bias=True (the deepseek_v3 family sets it)")
         for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
             if getattr(self, name) < 0:
                 _fail(name, getattr(self, name), "must be >= 0")
