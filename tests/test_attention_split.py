@@ -52,6 +52,8 @@ def test_split_attention_applies_only_with_a_helper_to_fp32_causal_batches(wide)
     assert not sdpa_cpu.applies(q.double(), k.double(), v.double())
     assert not sdpa_cpu.applies(q, k[..., :8, :], v[..., :8, :])  # fewer keys than queries
     assert not sdpa_cpu.applies(q, k, v[..., :4])  # MLA's shorter v heads: SDPA's own choice
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # SDPA would run in bf16 there
+        assert not sdpa_cpu.applies(q, k, v)
     threads.set_wide_threads(1)
     assert not sdpa_cpu.applies(q, k, v)
 

@@ -17,10 +17,19 @@ from moetron.kernels.threads import helper_threads, run_beside
 _ops = torch.ops.aten
 
 
+def _cpu_autocast() -> bool:
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4's spelling
+        return torch.is_autocast_cpu_enabled()
+
+
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """A wide-op helper is set and torch's SDPA would run its CPU flash kernel on these: fp32, as many
-    keys as queries (causal), one head dim for q, k and v, at least two sequences."""
+    """A wide-op helper is set and torch's SDPA would run its CPU flash kernel on these: fp32 outside CPU
+    autocast (which would run SDPA in bf16), as many keys as queries (causal), one head dim for q, k and
+    v, at least two sequences."""
     return (helper_threads() > 0 and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
+            and not _cpu_autocast()
             and q.dim() == 4 and q.shape[0] >= 2 and q.shape[2] == k.shape[2] == v.shape[2]
             and q.shape[3] == k.shape[3] == v.shape[3] and q.shape[1] % k.shape[1] == 0
             and hasattr(_ops, "_scaled_dot_product_flash_attention_for_cpu_backward"))
