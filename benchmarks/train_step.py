@@ -52,8 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--wide-threads", type=int, default=1,
-                   help="moetron's experts' grouped GEMMs on this many threads (moetron/kernels/threads.py); "
-                        "`moetron train` gives a small model --threads 1 --wide-threads <cores>")
+                   help="moetron's grouped GEMMs and attention with a helper up to this many threads "
+                        "(moetron/kernels/threads.py); `moetron train` gives a small model --threads 1 --wide-threads 2")
+    p.add_argument("--hf-threads", type=int, default=None,
+                   help="intra-op threads for the transformers side (default: --threads), e.g. torch's default of "
+                        "every core against moetron's own choice")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="extra recipe overrides")
     p.add_argument("--fused", action="store_true",
                    help="moetron with its fused C++/Triton kernels: train.permute_impl=auto and the experts' "
@@ -117,12 +120,15 @@ def moetron_step(run, data, recipe):
     return step
 
 
-def hf_step(hf, opt, inputs, labels, clip):
+def hf_step(hf, opt, inputs, labels, clip, threads):
     def step():
+        ours = torch.get_num_threads()
+        torch.set_num_threads(threads)
         opt.zero_grad(set_to_none=True)
         hf(input_ids=inputs, labels=labels, shift_labels=labels).loss.backward()
         torch.nn.utils.clip_grad_norm_(hf.parameters(), clip)
         opt.step()
+        torch.set_num_threads(ours)
     return step
 
 
@@ -135,10 +141,11 @@ def main(argv=None) -> None:
 
     # what `moetron train` does on a CPU (unless a MALLOC_* variable is set): for both sides, one process
     kept = keep_freed_memory(torch.device("cpu"), lambda line: None)
-    set_wide_threads(args.wide_threads)  # moetron's C++ grouped GEMM; transformers' torch._grouped_mm keeps --threads
+    set_wide_threads(args.wide_threads)  # moetron's side only: transformers' ops run on --hf-threads
+    hf_threads = args.threads if args.hf_threads is None else args.hf_threads
 
-    print(f"one training step, fp32 CPU, threads {torch.get_num_threads()} (moetron's grouped GEMMs "
-          f"{max(args.wide_threads, args.threads)}), torch {torch.__version__}, transformers "
+    print(f"one training step, fp32 CPU, threads {torch.get_num_threads()} (moetron's grouped GEMMs and attention "
+          f"{max(args.wide_threads, args.threads)}, transformers {hf_threads}), torch {torch.__version__}, transformers "
           f"{transformers.__version__}, python {platform.python_version()}, "
           f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, "
           f"MALLOC_MMAP_MAX_={os.environ.get('MALLOC_MMAP_MAX_', 'unset')}, freed memory kept (the trainer's "
@@ -154,7 +161,7 @@ def main(argv=None) -> None:
         err = check_same_loss(run, hf, inputs, labels)
         tokens = inputs.numel()
         times = time_interleaved({"moetron": moetron_step(run, FixedBatches(inputs, labels), recipe),
-                                  "transformers": hf_step(hf, opt, inputs, labels, recipe.train.grad_clip)},
+                                  "transformers": hf_step(hf, opt, inputs, labels, recipe.train.grad_clip, hf_threads)},
                                  warmup=args.warmup, repeats=args.repeats)
         ours, theirs = times["moetron"], times["transformers"]
         m = recipe.model
