@@ -61,7 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fused", action="store_true",
                    help="moetron with its fused C++/Triton kernels: train.permute_impl=auto and the experts' "
                         "activation_impl=auto (built on first use)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("threads", "wide_threads", "hf_threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
 
 
 class FixedBatches:

@@ -15,6 +15,7 @@ from torch.autograd.function import once_differentiable
 from moetron.kernels.threads import helper_threads, run_beside
 
 _ops = torch.ops.aten
+_HAS_FLASH_BACKWARD = hasattr(_ops, "_scaled_dot_product_flash_attention_for_cpu_backward")  # once, not per call
 
 
 def _cpu_autocast() -> bool:
@@ -32,7 +33,7 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and not _cpu_autocast()
             and q.dim() == 4 and q.shape[0] >= 2 and q.shape[2] == k.shape[2] == v.shape[2]
             and q.shape[3] == k.shape[3] == v.shape[3] and q.shape[1] % k.shape[1] == 0
-            and hasattr(_ops, "_scaled_dot_product_flash_attention_for_cpu_backward"))
+            and _HAS_FLASH_BACKWARD)
 
 
 class SplitCausalAttention(torch.autograd.Function):

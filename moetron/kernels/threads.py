@@ -22,7 +22,8 @@ _wide_threads = 1
 
 
 def set_wide_threads(n: int) -> None:
-    """Threads for wide ops; 1 runs them like every other op."""
+    """Threads for wide ops; 1 runs them like every other op. The grouped GEMM takes n - 1 helpers; the
+    attention splits its batch in two whatever n >= 2 (the trainer sets 2: what was measured)."""
     global _wide_threads
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"wide-op threads must be an int >= 1, got {n!r}")
