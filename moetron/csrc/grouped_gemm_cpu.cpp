@@ -131,6 +131,11 @@ void cut(std::vector<Piece>& pieces, int64_t e, int64_t start, int64_t end, int6
 // on many rows) while much work remains, then small pieces, so the threads finish close together.
 constexpr int64_t kBigRows = 1024, kSmallRows = 128;
 
+// The thread count the pieces are cut for: at least 2, so that one thread cuts them as two do. MKL's
+// result for a row can depend on how many rows its call has, so a small model's run then gets the same
+// bits with its helper and without (wide threads 2 or 1), and with one intra-op thread or two.
+int64_t cut_threads(int64_t helpers, int64_t work) { return std::max<int64_t>(2, threads_for(helpers, work)); }
+
 std::vector<int64_t> starts_of(const std::vector<int64_t>& ends) {
   std::vector<int64_t> starts(ends.size());
   for (size_t e = 0; e < ends.size(); ++e) starts[e] = e ? ends[e - 1] : 0;
@@ -141,7 +146,7 @@ Tensor rows_mm(const Tensor& a, const Tensor& b, const std::vector<int64_t>& end
   const int64_t N = a.size(0), O = transpose_b ? b.size(1) : b.size(2);
   Tensor out = at::empty({N, O}, a.options());
   const std::vector<int64_t> starts = starts_of(ends);
-  const int64_t tail = N - 4 * threads_for(helpers, N) * kSmallRows;  // rows from here on go in small pieces
+  const int64_t tail = N - 4 * cut_threads(helpers, N) * kSmallRows;  // rows from here on go in small pieces
   std::vector<Piece> pieces;
   for (size_t e = 0; e < ends.size(); ++e) {
     const int64_t split = std::min(ends[e], std::max(starts[e], tail));
@@ -163,7 +168,7 @@ Tensor weight_grad_mm(const Tensor& a, const Tensor& b, const std::vector<int64_
   Tensor out = at::empty({E, O, K}, a.options());
   const std::vector<int64_t> starts = starts_of(ends);
   // whole experts while more than ~2 experts' work per thread remains, then pieces of 128 output rows
-  const int64_t N = a.size(0), P = threads_for(helpers, N);
+  const int64_t N = a.size(0), P = cut_threads(helpers, N);
   const int64_t tail = N - std::min<int64_t>(N, 2 * P * (N / std::max<int64_t>(E, 1)));
   std::vector<Piece> pieces;
   for (int64_t e = 0; e < E; ++e) {

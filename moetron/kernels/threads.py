@@ -7,12 +7,14 @@ helper that another process keeps off its core costs nothing); the results are t
 - the experts' grouped GEMM hands whole experts to the caller and a task on torch's inter-op pool
   (`helper_threads`, csrc/grouped_gemm_cpu.cpp);
 - the attention core runs half of the batch on a helper thread (`run_beside`, kernels/sdpa_cpu.py).
+The same helper thread computes weight gradients beside the backward pass (kernels/weight_grads.py);
+`run_beside`'s halves go first, since a caller waits for them.
 """
 
 from __future__ import annotations
 
+import collections
 import os
-import queue
 import threading
 from typing import Any, Callable
 
@@ -63,22 +65,38 @@ class _Task:
 
 
 class _Helper:
-    """One daemon thread that runs the side half of `run_beside` calls; started on first use in each
-    process (a forked child has none of its parent's threads)."""
+    """One daemon thread that runs the side half of `run_beside` calls first, then queued weight
+    gradients in order; started on first use in each process (a forked child has none of its
+    parent's threads)."""
 
     def __init__(self):
-        self.pid, self.jobs = None, queue.SimpleQueue()
+        self.pid = None
 
-    def submit(self, task: _Task) -> None:
+    def submit(self, task: _Task, urgent: bool = True) -> None:
         if self.pid != os.getpid():
-            self.pid, self.jobs = os.getpid(), queue.SimpleQueue()
-            threading.Thread(target=self._loop, args=(self.jobs,), name="moetron-wide-op", daemon=True).start()
-        self.jobs.put(task)
+            self.pid, self.ready = os.getpid(), threading.Condition()
+            self.urgent, self.background = collections.deque(), collections.deque()
+            threading.Thread(target=self._loop, name="moetron-wide-op", daemon=True).start()
+        with self.ready:
+            (self.urgent if urgent else self.background).append(task)
+            self.ready.notify()
 
-    @staticmethod
-    def _loop(jobs: queue.SimpleQueue) -> None:
+    def take_background(self) -> set[_Task]:
+        """The queued weight-gradient tasks, taken off the queue for the caller to run."""
+        if self.pid != os.getpid():
+            return set()
+        with self.ready:
+            tasks = set(self.background)
+            self.background.clear()
+        return tasks
+
+    def _loop(self) -> None:
+        ready, urgent, background = self.ready, self.urgent, self.background
         while True:
-            task = jobs.get()
+            with ready:
+                while not (urgent or background):
+                    ready.wait()
+                task = urgent.popleft() if urgent else background.popleft()
             if task.claim():
                 task.run()
 

@@ -14,6 +14,7 @@ from moetron.ops.attention_core import core_attention
 from moetron.ops.norm import RMSNorm
 from moetron.model.rope import yarn_softmax_scale
 from moetron.ops import apply_rope
+from moetron.ops.linear import project
 from moetron.parallel import context_parallel
 from moetron.parallel.state import Group
 
@@ -46,7 +47,7 @@ class GroupedQueryAttention(nn.Module):
 
     def project_qkv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [B,S,heads*head_dim] (the seam tensor parallel overrides: one gather for all three)."""
-        return self.q_proj(x_BSH), self.k_proj(x_BSH), self.v_proj(x_BSH)
+        return project(self.q_proj, x_BSH), project(self.k_proj, x_BSH), project(self.v_proj, x_BSH)
 
     def forward(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # Shapes come from the projections, not x or the config: under tensor/sequence parallel
@@ -64,7 +65,7 @@ class GroupedQueryAttention(nn.Module):
             fn, extra = core_attention, ()
         args = (q, k, v, self.head_dim ** -0.5, self.cfg.attention_backend, *extra)
         out = recompute.checkpoint(fn, *args) if "core_attn" in self.recompute_modules else fn(*args)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+        return project(self.o_proj, out.transpose(1, 2).reshape(B, S, -1))
 
 
 class MultiLatentAttention(nn.Module):
@@ -100,16 +101,16 @@ class MultiLatentAttention(nn.Module):
         """What the query up-projection reads: the normed q latent, or x without a q bottleneck."""
         if self.cfg.q_lora_rank is None:
             return x_BSH
-        return self.q_a_layernorm(self.q_a_proj(x_BSH))
+        return self.q_a_layernorm(project(self.q_a_proj, x_BSH))
 
     def _query_up(self, q_latent: torch.Tensor) -> torch.Tensor:
         if self.cfg.q_lora_rank is None:
-            return self.q_proj(q_latent)
-        return self.q_b_proj(q_latent)
+            return project(self.q_proj, q_latent)
+        return project(self.q_b_proj, q_latent)
 
     def latent_kv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The normed kv latent [B,S,kv_lora_rank] and the shared rotary key [B,S,rope_dim]."""
-        latent, k_rot = self.kv_a_proj_with_mqa(x_BSH).split([self.cfg.kv_lora_rank, self.rope_dim], dim=-1)
+        latent, k_rot = project(self.kv_a_proj_with_mqa, x_BSH).split([self.cfg.kv_lora_rank, self.rope_dim], dim=-1)
         return self.kv_a_layernorm(latent), k_rot
 
     def forward(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -141,7 +142,7 @@ class MultiLatentAttention(nn.Module):
                 fn, extra = core_attention, ()
             args = (q, k, v, self.softmax_scale, self.cfg.attention_backend, *extra)
             out = recompute.checkpoint(fn, *args) if "core_attn" in self.recompute_modules else fn(*args)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+        return project(self.o_proj, out.transpose(1, 2).reshape(B, S, -1))
 
     # --- pieces of forward ---------------------------------------------------------------
     def _query_heads(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -156,7 +157,7 @@ class MultiLatentAttention(nn.Module):
         """Decompress the (gathered) latent [B,S_kv,r] into per-head keys (with the shared rotated
         key [B,1,S_kv,rope] appended) and values, [B,h,S_kv,*]."""
         B, S_kv = latent.shape[:2]
-        kv = self.kv_b_proj(latent).view(B, S_kv, h, -1).transpose(1, 2)
+        kv = project(self.kv_b_proj, latent).view(B, S_kv, h, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rot.expand(B, h, S_kv, self.rope_dim)), dim=-1)
         return k, v

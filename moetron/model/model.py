@@ -19,6 +19,7 @@ from moetron.ops.norm import RMSNorm
 from moetron.model.rope import RotaryEmbedding
 from moetron.moe.layer import MoELayer
 from moetron.ops import cross_entropy
+from moetron.ops.linear import linear
 from moetron.moe.layer import _sum_over, load_summary
 
 IGNORE_INDEX = -100
@@ -75,7 +76,9 @@ class MoETransformer(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(h, self.output_weight())
+        if self.lm_head is None:  # tied: the embedding's gradient reaches the same weight through autograd
+            return nn.functional.linear(h, self.output_weight())
+        return linear(h, self.lm_head.weight)
 
     def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Mean cross-entropy of `head` logits over the non-ignored labels, and their count.

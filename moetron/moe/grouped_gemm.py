@@ -18,6 +18,8 @@ from torch.autograd.function import once_differentiable
 from moetron import backends
 from moetron.kernels import cpp_build
 from moetron.kernels.threads import helper_threads
+from moetron.kernels.weight_grads import defer_weight_grad
+
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -74,6 +76,7 @@ class _CppGroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NH, w_EOH, offsets, ops):
         ctx.ops = ops
+        ctx.leaf = w_EOH if w_EOH.is_leaf and w_EOH.requires_grad else None  # weight_grads_beside's target
         x_NH, w_EOH = x_NH.contiguous(), w_EOH.contiguous()
         ctx.save_for_backward(x_NH, w_EOH, offsets)
         return ops.grouped_mm(x_NH, w_EOH, offsets, 0, helper_threads())
@@ -85,7 +88,10 @@ class _CppGroupedLinear(torch.autograd.Function):
         grad_NO = grad_NO.contiguous()
         helpers = helper_threads()
         grad_x = ctx.ops.grouped_mm(grad_NO, w_EOH, offsets, 1, helpers) if ctx.needs_input_grad[0] else None
-        grad_w = ctx.ops.grouped_mm(grad_NO, x_NH, offsets, 2, helpers) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1] and not defer_weight_grad(
+                ctx.leaf, lambda: ctx.ops.grouped_mm(grad_NO, x_NH, offsets, 2, 0)):
+            grad_w = ctx.ops.grouped_mm(grad_NO, x_NH, offsets, 2, helpers)
         return grad_x, grad_w, None, None
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from moetron.dispatch.routing import Routing, count_per_expert
 from moetron.ops import recompute
+from moetron.ops.linear import linear
 from moetron.moe import balancing
 from moetron.moe.config import MoEConfig
 from moetron.parallel.state import Group
@@ -102,7 +103,7 @@ class TopKRouter(nn.Module):
         """Return the routing, the detached loss values, and the counts per expert for the bias update
         (`bias_update_counts`: the top-k selections before capacity drops, or the slots kept after)."""
         cfg = self.config
-        logits_TE = F.linear(x_TH.float(), self.weight.float())
+        logits_TE = linear(x_TH.float(), self.weight.float())
         if cfg.score_func == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
         elif cfg.softmax_before_topk:

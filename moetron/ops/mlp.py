@@ -7,6 +7,7 @@ from torch import nn
 
 from moetron.ops import recompute
 from moetron.ops import swiglu
+from moetron.ops.linear import project
 
 
 class MLP(nn.Module):
@@ -33,4 +34,4 @@ class MLP(nn.Module):
         return super().__call__(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return project(self.down_proj, swiglu(project(self.gate_proj, x), project(self.up_proj, x)))

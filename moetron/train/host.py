@@ -38,7 +38,9 @@ def small_model_threads(run, recipe, say) -> None:
     when another process is busy (546 vs 572), now that waiting threads sleep (moetron/__main__.py;
     spinning, they ran 148). The experts' grouped GEMM and the attention core still get a helper thread
     (kernels/threads.py): the same bits, 7-11 % off a default-recipe step's median on a quiet machine,
-    +3 % beside a busy process. `OMP_NUM_THREADS` overrides.
+    +3 % beside a busy process. The helper also computes the weight gradients while the backward pass
+    goes on (kernels/weight_grads.py, the trainer's choice): the same bits, about 5 % more off.
+    `OMP_NUM_THREADS` overrides.
     """
     cores = torch.get_num_threads()
     if not _one_cpu_process(run) or "OMP_NUM_THREADS" in os.environ or cores < 2:

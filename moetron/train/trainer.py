@@ -39,6 +39,7 @@ from moetron.data.builtin import TokenBatches, stdlib_corpus
 from moetron.moe.layer import load_summary
 from moetron.ops import fusion_mode, set_fusion
 from moetron.kernels.threads import set_wide_threads, wide_threads
+from moetron.kernels.weight_grads import weight_grads_beside
 from moetron.train.host import keep_freed_memory, small_model_threads
 from moetron.train.evaluation import Sampler, build_data, check_supported, validation_loss
 from moetron.train.metrics import MetricsLogger, describe_run
@@ -235,10 +236,11 @@ def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[
 
     sums: dict[str, float] = {}
     tokens = 0
+    beside = _grads_beside(run)
     for m, (inputs, labels) in enumerate(batches):
         last = m == len(batches) - 1
         sync = contextlib.nullcontext() if run.ddp is None or last else run.ddp.no_sync()
-        with sync:
+        with sync, weight_grads_beside(beside):
             if run.ps.cp.size > 1:  # this rank's load-balanced chunks of the sequences
                 out = run.model(**split_batch(run.ps.cp, inputs, labels=labels))
             else:
@@ -250,6 +252,11 @@ def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[
             if value is not None:
                 sums[name] = sums.get(name, 0.0) + float(value.detach()) / count
     return sums, tokens
+
+
+def _grads_beside(run: TrainingRun) -> bool:
+    """Weight gradients on the helper thread: one process, no pipeline, with a helper to spare."""
+    return run.ps.world_size == 1 and run.ddp is None and run.schedule is None and wide_threads() > 1
 
 
 def _mean_over_replicas(run: TrainingRun, sums: dict[str, float], tokens: int) -> tuple[dict[str, float], int]:
