@@ -27,9 +27,12 @@ transformers' fused `block.experts.gate_up_proj` / `down_proj`, the same layout)
                    `[2F,H]` matrix, SwiGLU, one `[H,F]` matrix, input gradient included. No routing,
                    no permutation, no combine: what a perfect MoE layer could cost.
 - router only      moetron's router alone (fp32 logits, softmax, top-k, renormalise), for scale.
-- torchtitan, megatron-core: printed as rows when the package imports and its MoE block runs on this
-                   device; otherwise the table says "not installed: <reason>" (neither is a moetron
-                   dependency: `pip install torchtitan megatron-core` to try).
+- torchtitan       its `MoE` (models/common/moe.py) on moetron's weights, experts through
+                   `torch._grouped_mm` in the input's dtype (benchmarks/peers.py: the shims, and why).
+- megatron-core    its `MoELayer` (SequentialMLP experts, allgather dispatcher: what runs on a CPU).
+                   Each peer is timed when it imports and builds here, after the same agreement check as
+                   transformers'; otherwise the peer table says why (neither is a moetron dependency:
+                   `pip install torchtitan megatron-core`, or `--no-deps` plus the few modules they import).
 
 moetron's SwiGLU kernel is `--swiglu-impl` (default auto: the fused C++ kernel on CPU, Triton on CUDA,
 built on first use); `--swiglu-impl torch` times the reference expression instead. Its expert GEMMs are
@@ -78,6 +81,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import format_table, time_interleaved  # noqa: E402
+from peers import PEERS, build_peers, check_peers  # noqa: E402
 
 from moetron import MoEConfig, MoELayer  # noqa: E402
 from moetron.kernels.fused_swiglu import resolve as resolve_swiglu  # noqa: E402
@@ -86,7 +90,7 @@ from moetron.moe.grouped_gemm import resolve_backend  # noqa: E402
 from moetron.train.host import keep_freed_memory  # noqa: E402
 
 QUICK = dict(tokens=256, hidden=128, ffn=64, experts=8, topk=2, repeats=3, warmup=1)
-CANDIDATES = ("moetron", "hf eager", "hf grouped_mm", "ceiling", "router only")
+CANDIDATES = ("moetron", "hf eager", "hf grouped_mm", *PEERS, "ceiling", "router only")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -276,20 +280,6 @@ def current_permute_impl() -> str:
     return f"{impl}{' deterministic' if deterministic else ''}"
 
 
-def peer_rows() -> list[list[str]]:
-    """torchtitan's MoE and Megatron-Core's MoELayer: why each is not timed here (or nothing)."""
-    rows = []
-    for name, module, reason_ok in (("torchtitan", "torchtitan.models.common.moe", None),
-                                    ("megatron-core", "megatron.core.transformer.moe.moe_layer", None)):
-        try:
-            __import__(module)
-        except Exception as exc:  # not installed, or a dependency missing
-            rows.append([name, f"not installed: {type(exc).__name__}: {exc}"[:150]])
-            continue
-        rows.append([name, reason_ok or "installed, but no CPU shim in this script yet: not timed"])
-    return rows
-
-
 # --- correctness -----------------------------------------------------------------------
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -410,24 +400,31 @@ def main(argv=None) -> dict[str, float]:
     else:
         variants["moetron"] = None
 
-    if blocks:
-        for name, what in check_hf_dispatch(blocks, x.detach()).items():
+    peers, peer_status = build_peers(layer, args.skip)
+    if blocks or peers:
+        for name, what in (check_hf_dispatch(blocks, x.detach()) if blocks else {}).items():
             print(f"{name:<14} runs {what}")
         agree = []
         for name, before in variants.items():
             if before is not None:
                 before()
-            agree += [[row[0].replace("moetron", name, 1), *row[1:]] for row in check_agreement(layer, blocks, x, dy)]
+            rows = check_agreement(layer, blocks, x, dy) + check_peers(layer, peers, x, dy, rel_err)
+            agree += [[row[0].replace("moetron", name, 1), *row[1:]] for row in rows]
         print("\nagreement in fp32, relative max error (outputs must be < 1e-5, gradients < 1e-4)")
         print(format_table(["", "output", "dx", "d router", "d gate_up", "d down"], agree))
     if dtype != torch.float32:
         layer.to(dtype)
+        for peer in peers.values():
+            for p in peer.params:
+                p.data = p.data.to(dtype)
         x = x.detach().to(dtype).requires_grad_()
         dy = dy.to(dtype)
 
     candidates = {name: make_step(layer, moe_params, x, dy, before) for name, before in variants.items()}
     for name, block in blocks.items():
         candidates[name] = make_step(block, moe_params, x, dy)
+    for name, peer in peers.items():
+        candidates[name] = make_step(peer.forward, peer.params, x, dy)
     if "ceiling" not in args.skip:
         candidates["ceiling"] = build_ceiling(T, H, F_, K, dtype, args.seed, device)
     if "router only" not in args.skip:
@@ -461,10 +458,13 @@ def main(argv=None) -> dict[str, float]:
         if "hf grouped_mm" in times:
             hg = times["hf grouped_mm"].median
             parts.append(f"{ratio(t.median, hg)} of hf grouped_mm (target < 1: {'met' if t.median < hg else 'MISSED'})")
+        for peer in (p for p in PEERS if p in times):
+            pt = times[peer].median
+            parts.append(f"{ratio(t.median, pt)} of {peer} (target < 1: {'met' if t.median < pt else 'MISSED'})")
         if parts:
             verdicts.append(f"{name}: " + ", ".join(parts))
     print("\n".join(verdicts))
-    print(format_table(["peer", "status"], peer_rows()))
+    print(format_table(["peer", "status"], peer_status))
     print(f"load average (1 min) before {load_before}, after {_load()} on {os.cpu_count()} CPUs "
           f"(this benchmark itself adds about {args.threads}); a higher load means other processes shared "
           "the CPUs and the wall times are noisy")
