@@ -96,18 +96,33 @@ def test_a_hooked_weight_keeps_autograd():
     assert torch.equal(w.grad, seen[0])
 
 
+class _Deferring(torch.autograd.Function):
+    """y = x * w, whose weight gradient is `compute` run beside."""
+
+    @staticmethod
+    def forward(ctx, x, w, compute):
+        ctx.w, ctx.compute = w, compute
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        assert defer_weight_grad(ctx.w, ctx.compute)
+        return grad * ctx.w, None, None
+
+
 def test_errors_reach_the_caller_and_the_pass_closes():
-    w = torch.randn(3, requires_grad=True)
+    x, w = torch.randn(3), torch.randn(3, requires_grad=True)
+    assert not defer_weight_grad(w, torch.ones_like)  # outside a pass: nothing queued
 
     def boom():
         raise ValueError("from the helper")
 
     with pytest.raises(ValueError, match="from the helper"):
         with weight_grads_beside():
-            assert defer_weight_grad(w, boom)
+            _Deferring.apply(x, w, boom).sum().backward()
     assert not weight_grads_active() and w.grad is None
     with weight_grads_beside():  # the next pass works
-        assert defer_weight_grad(w, lambda: torch.ones(3))
+        _Deferring.apply(x, w, lambda: torch.ones(3)).sum().backward()
     assert torch.equal(w.grad, torch.ones(3))
 
 
@@ -148,3 +163,21 @@ def test_trainer_steps_are_the_same_bits(monkeypatch, recipe, overrides):
         states.append({k: v.detach().clone() for k, v in run.model.state_dict().items()})
         assert any(deferred) == (wide == 2)
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_autograd_grad_inside_a_pass_leaves_grad_alone():
+    """`torch.autograd.grad` differentiates only what it is asked for: no weight gradient reaches
+    .grad, beside or not; a backward() after it in the same pass still does."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(16, 8, generator=g, requires_grad=True), torch.randn(4, 8, generator=g, requires_grad=True)
+    with weight_grads_beside():
+        y = (linear(x, w) ** 2).sum()
+        (gx,) = torch.autograd.grad(y, x, retain_graph=True)
+        y.backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (F.linear(xr, wr) ** 2).sum().backward()
+    assert torch.equal(gx, xr.grad) and torch.equal(w.grad, wr.grad)
+    w.grad = None
+    with weight_grads_beside():
+        torch.autograd.grad((linear(x, w) ** 2).sum(), x)
+    assert w.grad is None

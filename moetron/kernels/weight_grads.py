@@ -95,6 +95,8 @@ def defer_weight_grad(weight: torch.Tensor | None, compute: Callable[[], torch.T
     state = _pass
     if not weight_grads_active() or weight is None or not weight.is_leaf or _has_hooks(weight):
         return False
+    if not _accumulates(weight):  # e.g. torch.autograd.grad(..., inputs=x): the weight's gradient is dropped
+        return False
     key = id(weight)
     if key not in state.weights:
         state.weights[key], state.grads_before[key] = weight, _grad_state(weight)
@@ -102,6 +104,18 @@ def defer_weight_grad(weight: torch.Tensor | None, compute: Callable[[], torch.T
     state.tasks.append(task)
     _helper.submit(task, urgent=False)
     return True
+
+
+def _accumulates(weight: torch.Tensor) -> bool:
+    """Whether the running backward pass adds to `weight.grad` (a `torch.autograd.grad` call does not)."""
+    edge, will_run = getattr(torch.autograd.graph, "get_gradient_edge", None), \
+        getattr(torch._C, "_will_engine_execute_node", None)
+    if edge is None or will_run is None:
+        return False
+    try:
+        return will_run(edge(weight).node)
+    except RuntimeError:  # not inside a backward pass
+        return False
 
 
 def _has_hooks(p: torch.Tensor) -> bool:
