@@ -49,10 +49,13 @@ def test_linear_is_f_linear_bit_for_bit(monkeypatch, shape, out):
     assert w.grad.abs().max() > 1
 
 
-def test_linear_outside_a_pass_is_f_linear():
+def test_linear_outside_a_pass_or_under_autocast_is_f_linear():
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
     assert not weight_grads_active()
     assert linear(x, w).grad_fn.name() == F.linear(x, w).grad_fn.name()
+    with weight_grads_beside(), torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts in F.linear
+        y = linear(x, w)
+        assert y.dtype == torch.bfloat16 and not isinstance(y.grad_fn, _Linear._backward_cls)
 
 
 def test_several_uses_and_passes_sum_as_autograd_does():

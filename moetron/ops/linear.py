@@ -39,7 +39,7 @@ class _Linear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, weight)` (no bias); see the module docstring."""
     if (weight_grads_active() and weight.is_leaf and weight.requires_grad and torch.is_grad_enabled()
-            and x.device.type == "cpu"):
+            and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")):  # autocast: F.linear's casts
         return _Linear.apply(x, weight)
     return F.linear(x, weight)
 
