@@ -52,8 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--wide-threads", type=int, default=1,
-                   help="moetron's grouped GEMMs and attention with a helper up to this many threads "
-                        "(moetron/kernels/threads.py); `moetron train` gives a small model --threads 1 --wide-threads 2")
+                   help="moetron's grouped GEMMs and attention with a helper up to this many threads, and the "
+                        "weight gradients on that helper beside the backward pass when > 1 (moetron/kernels/threads.py, "
+                        "weight_grads.py); `moetron train` gives a small model --threads 1 --wide-threads 2")
     p.add_argument("--hf-threads", type=int, default=None,
                    help="intra-op threads for the transformers side (default: --threads), e.g. torch's default of "
                         "every core against moetron's own choice")
