@@ -184,3 +184,19 @@ def test_autograd_grad_inside_a_pass_leaves_grad_alone():
     with weight_grads_beside():
         torch.autograd.grad((linear(x, w) ** 2).sum(), x)
     assert w.grad is None
+
+
+def test_the_trainer_defers_only_with_a_helper_to_spare():
+    from moetron.recipes import get_recipe
+    from moetron.train import trainer
+    from moetron.train.setup import build_run
+
+    run = build_run(get_recipe("qwen3-moe-tiny"), log=lambda s: None)
+    try:
+        for intra, wide, expected in ((1, 1, False), (1, 2, True), (2, 2, False)):
+            torch.set_num_threads(intra)
+            threads.set_wide_threads(wide)
+            assert trainer._grads_beside(run) == expected, (intra, wide)
+    finally:
+        threads.set_wide_threads(1)
+        torch.set_num_threads(1)

@@ -38,7 +38,7 @@ from moetron.checkpoint.verify import read_meta
 from moetron.data.builtin import TokenBatches, stdlib_corpus
 from moetron.moe.layer import load_summary
 from moetron.ops import fusion_mode, set_fusion
-from moetron.kernels.threads import set_wide_threads, wide_threads
+from moetron.kernels.threads import helper_threads, set_wide_threads, wide_threads
 from moetron.kernels.weight_grads import weight_grads_beside
 from moetron.train.host import keep_freed_memory, small_model_threads
 from moetron.train.evaluation import Sampler, build_data, check_supported, validation_loss
@@ -255,8 +255,9 @@ def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[
 
 
 def _grads_beside(run: TrainingRun) -> bool:
-    """Weight gradients on the helper thread: one process, no pipeline, with a helper to spare."""
-    return run.ps.world_size == 1 and run.ddp is None and run.schedule is None and wide_threads() > 1
+    """Weight gradients on the helper thread: one process, no pipeline, and a helper to spare (wide
+    threads beyond the intra-op ones: train/host.py gives a small model one intra-op thread and two)."""
+    return run.ps.world_size == 1 and run.ddp is None and run.schedule is None and helper_threads() > 0
 
 
 def _mean_over_replicas(run: TrainingRun, sums: dict[str, float], tokens: int) -> tuple[dict[str, float], int]:
