@@ -21,7 +21,6 @@ from moetron.kernels.threads import helper_threads
 from moetron.kernels.weight_grads import defer_weight_grad
 
 
-
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous.
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from moetron.dispatch.routing import Routing, count_per_expert
