@@ -52,7 +52,8 @@ def small_model_threads(run, recipe, say) -> None:
         set_wide_threads(wide)
         say(f"threads: 1 of {cores} intra-op threads ({elements:,} activation elements per op < "
             f"{SMALL_OP_ELEMENTS:,}: a second thread only waits at every op's barrier), {wide} for the experts' "
-            "grouped GEMMs and the attention core; set OMP_NUM_THREADS to choose")
+            "grouped GEMMs and the attention core, whose helper also computes the weight gradients beside the "
+            "backward pass; set OMP_NUM_THREADS to choose")
 
 
 def user_chose_allocator(environ) -> bool:

@@ -1,0 +1,113 @@
+"""Two settings of one training run, alternating step by step in one process: what a change buys.
+
+    python benchmarks/step_ab.py --compare weight_grads     # weight gradients beside the backward, or not
+    python benchmarks/step_ab.py --compare helper           # a small model's helper thread (wide threads 2), or none
+    python benchmarks/step_ab.py --compare attention_split  # the attention core in two halves, or one call
+    python benchmarks/step_ab.py --recipe deepseek-v3-tiny --set train.grad_accum=2 --steps 300 --runs 3
+
+On the shared 2-core development VM the same command's step medians move 10-15 % between runs, more
+than most single changes buy. Here both settings train one model on the same data in one process,
+switching every step, so drift, allocator state and other load hit both alike and their ratio holds to
+~2 %. The run is set up as `moetron train` sets it up (its host choices: one intra-op thread and a
+helper for a small model, freed memory kept, sleeping OpenMP waits). Every setting compared here gives
+the same bits as its alternative (tested), so switching mid-run changes nothing but the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the `moetron` command sets it (moetron/__main__.py)
+import torch  # noqa: E402  (the policy is read when torch loads OpenMP)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import format_table  # noqa: E402
+
+
+def _settings(name: str, run):
+    """(label, apply) for the setting off and on."""
+    from moetron.kernels import sdpa_cpu, threads
+    from moetron.train import trainer
+
+    if name == "weight_grads":
+        real = trainer._grads_beside
+
+        def beside(on):
+            trainer._grads_beside = real if on else (lambda run: False)
+        return [("weight gradients in the backward", lambda: beside(False)),
+                ("weight gradients beside", lambda: beside(True))]
+    if name == "helper":
+        wide = threads.wide_threads()
+        if wide < 2:
+            raise SystemExit("--compare helper: this run has no helper (a small one-process CPU model gets one)")
+        return [("no helper (wide threads 1)", lambda: threads.set_wide_threads(1)),
+                (f"helper (wide threads {wide})", lambda: threads.set_wide_threads(wide))]
+    if name == "attention_split":
+        real = sdpa_cpu.applies
+
+        def split(on):
+            sdpa_cpu.applies = real if on else (lambda *args: False)
+        return [("attention in one call", lambda: split(False)), ("attention in two halves", lambda: split(True))]
+    raise SystemExit(f"--compare: unknown setting {name!r}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--compare", required=True, choices=("weight_grads", "helper", "attention_split"))
+    p.add_argument("--recipe", default="qwen3-moe-tiny")
+    p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
+    p.add_argument("--steps", type=int, default=200, help="steps per run, the settings alternating")
+    p.add_argument("--warmup", type=int, default=10, help="first steps of each run left out")
+    p.add_argument("--runs", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.steps <= args.warmup + 2:
+        p.error("--steps must exceed --warmup by at least 3")
+
+    from moetron.data.builtin import TokenBatches, stdlib_corpus
+    from moetron.recipes import apply_overrides, get_recipe
+    from moetron.train import trainer
+    from moetron.train.host import keep_freed_memory, small_model_threads
+    from moetron.train.setup import build_run
+
+    recipe = apply_overrides(get_recipe(args.recipe), args.set)
+    t = recipe.train
+    run = build_run(recipe, log=lambda line: None)
+    small_model_threads(run, recipe, print)
+    keep_freed_memory(run.device, print)
+    data = TokenBatches(stdlib_corpus(), t.seq_len, t.micro_batch_size, t.seed)
+    settings = _settings(args.compare, run)
+    run.model.train()
+    print(f"{args.recipe} ({' '.join(args.set) or 'as shipped'}), {args.steps} steps a run alternating "
+          f"{len(settings)} settings, first {args.warmup} left out; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} intra-op thread(s)")
+    rows, step = [], 0
+    for r in range(args.runs):
+        times = [[] for _ in settings]
+        for i in range(args.steps):
+            which = i % len(settings)
+            settings[which][1]()
+            start = time.perf_counter()
+            trainer._train_step(run, data, step, 1.0, trainer._guard(run, "", step))
+            if i >= args.warmup:
+                times[which].append((time.perf_counter() - start) * 1e3)
+            step += 1
+        base = statistics.median(times[0])
+        for (label, _), ts in zip(settings, times):
+            ts.sort()
+            rows.append([str(r + 1), label, str(len(ts)), f"{ts[len(ts) // 10]:.1f}", f"{ts[len(ts) // 4]:.1f}",
+                         f"{statistics.median(ts):.1f}", f"{statistics.median(ts) / base:.3f}x"])
+    settings[-1][1]()
+    print(format_table(["run", "setting", "steps", "p10 ms", "p25 ms", "median ms", "vs first"], rows))
+    try:
+        print(f"load average (1 min) after: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    main()
