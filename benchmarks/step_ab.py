@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import format_table  # noqa: E402
 
 
-def _settings(name: str, run):
+def _settings(name: str):
     """(label, apply) for the setting off and on."""
     from moetron.kernels import sdpa_cpu, threads
     from moetron.train import trainer
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     small_model_threads(run, recipe, print)
     keep_freed_memory(run.device, print)
     data = TokenBatches(stdlib_corpus(), t.seq_len, t.micro_batch_size, t.seed)
-    settings = _settings(args.compare, run)
+    settings = _settings(args.compare)
     run.model.train()
     print(f"{args.recipe} ({' '.join(args.set) or 'as shipped'}), {args.steps} steps a run alternating "
           f"{len(settings)} settings, first {args.warmup} left out; torch {torch.__version__}, "

@@ -200,3 +200,12 @@ def test_the_trainer_defers_only_with_a_helper_to_spare():
     finally:
         threads.set_wide_threads(1)
         torch.set_num_threads(1)
+
+
+def test_a_tensor_subclass_weight_keeps_f_linear():
+    class Sub(torch.Tensor):
+        pass
+
+    x, w = torch.randn(4, 8), torch.randn(3, 8).as_subclass(Sub).requires_grad_()
+    with weight_grads_beside():
+        assert not isinstance(linear(x, w).grad_fn, _Linear._backward_cls)

@@ -18,6 +18,9 @@ from torch.autograd.function import once_differentiable
 from moetron.kernels.weight_grads import defer_weight_grad, weight_grads_active
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)  # tensor subclasses (DTensor, FP8) keep F.linear's own dispatch
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
@@ -38,7 +41,8 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, weight)` (no bias); see the module docstring."""
-    if (weight_grads_active() and weight.is_leaf and weight.requires_grad and torch.is_grad_enabled()
+    if (weight_grads_active() and type(weight) in _PLAIN and weight.is_leaf and weight.requires_grad  # no DTensor
+            and torch.is_grad_enabled()
             and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")):  # autocast: F.linear's casts
         return _Linear.apply(x, weight)
     return F.linear(x, weight)
