@@ -3,6 +3,7 @@
     python benchmarks/step_ab.py --compare weight_grads     # weight gradients beside the backward, or not
     python benchmarks/step_ab.py --compare helper           # a small model's helper thread (wide threads 2), or none
     python benchmarks/step_ab.py --compare attention_split  # the attention core in two halves, or one call
+    python benchmarks/step_ab.py --compare permute          # the MoE permute in torch ops, or the C++ kernel
     python benchmarks/step_ab.py --recipe deepseek-v3-tiny --set train.grad_accum=2 --steps 300 --runs 3
 
 On the shared 2-core development VM the same command's step medians move 10-15 % between runs, more
@@ -53,12 +54,16 @@ def _settings(name: str):
         def split(on):
             sdpa_cpu.applies = real if on else (lambda *args: False)
         return [("attention in one call", lambda: split(False)), ("attention in two halves", lambda: split(True))]
+    if name == "permute":
+        from moetron.dispatch import permute
+        return [("torch permute", lambda: permute.set_permute_impl("torch")),
+                ("C++ permute", lambda: permute.set_permute_impl("cpp"))]
     raise SystemExit(f"--compare: unknown setting {name!r}")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--compare", required=True, choices=("weight_grads", "helper", "attention_split"))
+    p.add_argument("--compare", required=True, choices=("weight_grads", "helper", "attention_split", "permute"))
     p.add_argument("--recipe", default="qwen3-moe-tiny")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
     p.add_argument("--steps", type=int, default=200, help="steps per run, the settings alternating")

@@ -244,7 +244,7 @@ class TrainConfig:
     global_batch_size: int | None = None  # sequences per step; sets grad_accum = global / (dp x micro_batch_size)
     batch_size_rampup: list | None = None  # [start, increment, ramp_samples], Megatron's --rampup-batch-size
     permute_impl: str | None = None  # MoE permute kernel: auto, torch, cpp, triton; null: $MOETRON_PERMUTE_IMPL,
-    # else by device (triton on GPU, torch on CPU)
+    # else cpp where train.fusion resolves to cpp (a CPU), else by device (triton on GPU, torch on CPU)
     collective_wait_log_s: float = 60.0  # while waiting that long, log which rank waits where, this often
     max_skipped_steps: int = 10  # on_nonfinite=skip: stop with an error after more steps than this in a row
     eval_every: int = 0  # steps between validation losses on held-out data (0: none)

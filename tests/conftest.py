@@ -31,8 +31,13 @@ def one_thread():
 @pytest.fixture(autouse=True)
 def eager_fusion_after_each_test():
     """`build_run` sets the process-wide fusion mode (`train.fusion=auto` takes the C++ kernels on
-    a CPU); each test starts from the library's default, the eager reference."""
+    a CPU) and permute kernel; each test starts from the library's defaults (the eager reference,
+    the by-device permute)."""
+    from moetron.dispatch import permute
+
+    impl = permute._default_impl
     yield
     from moetron.ops import set_fusion
 
     set_fusion("none")
+    permute._default_impl = impl

@@ -316,6 +316,23 @@ def test_auto_picks_cpp_on_cpu_and_state_carries_the_choice():
     assert unpermute(x_NH, state).shape == (4, 8)
 
 
+def test_trainer_takes_the_cpp_permute_with_the_cpu_fusion(monkeypatch):
+    """The trainer's CPU default: the C++ permute whenever `train.fusion` resolves to cpp (its library is
+    built then); the recipe's field, then $MOETRON_PERMUTE_IMPL, say otherwise."""
+    require_cpp()
+    from moetron.recipes import apply_overrides, get_recipe
+    from moetron.train.setup import build_run
+
+    monkeypatch.delenv("MOETRON_PERMUTE_IMPL", raising=False)
+    for overrides, expected in [([], "cpp"), (["train.fusion=none"], "default"),
+                                (["train.permute_impl=torch"], "torch")]:
+        build_run(apply_overrides(get_recipe("qwen3-moe-tiny"), overrides), log=None)
+        assert permute_impls.permute_impl()[0] == expected, overrides
+    monkeypatch.setenv("MOETRON_PERMUTE_IMPL", "torch")
+    build_run(get_recipe("qwen3-moe-tiny"), log=None)
+    assert permute_impls.permute_impl()[0] == "torch"
+
+
 def test_process_default_is_used_when_no_impl_is_given(monkeypatch):
     require_cpp()
     monkeypatch.setattr(permute_impls, "_default_impl", "torch")

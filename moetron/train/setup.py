@@ -120,6 +120,16 @@ def _check_backends(recipe: Recipe) -> None:
             raise ValueError(f"train.permute_impl={impl}: {reason}; choose train.permute_impl=auto or torch")
 
 
+def _permute_choice(impl: str | None, fusion: str) -> str | None:
+    """The recipe's permute kernel, else $MOETRON_PERMUTE_IMPL, else the C++ one when the CPU fusion is on
+    (it lives in the library that fusion has built; the same sums as the deterministic reference), else
+    the by-device default (None)."""
+    if impl is not None:
+        return impl
+    env = os.environ.get("MOETRON_PERMUTE_IMPL") or None
+    return env or ("cpp" if fusion == "cpp" else None)
+
+
 def resolve_batch_size(recipe: Recipe, world_size: int) -> Recipe:
     """`train.global_batch_size` -> `train.grad_accum` (global = dp x grad_accum x micro_batch_size),
     an error naming the sizes when it does not divide; the ramp-up's sizes are checked the same way.
@@ -291,8 +301,7 @@ def build_run(recipe: Recipe, log=print) -> TrainingRun:
     if notice and log is not None:
         log(notice)
     set_fusion(fusion)  # process-wide: RMSNorm, SwiGLU, RoPE, cross-entropy
-    if t.permute_impl is not None:  # the recipe's choice over $MOETRON_PERMUTE_IMPL
-        set_permute_impl(t.permute_impl)
+    set_permute_impl(_permute_choice(t.permute_impl, fusion))
     ps = init_from_env(p)
     torch.manual_seed(t.seed)
     model = MoETransformer(recipe.model)
