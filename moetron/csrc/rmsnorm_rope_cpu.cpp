@@ -42,9 +42,23 @@ int64_t grain_rows(int64_t H) { return std::max<int64_t>(1, 16384 / std::max<int
 // [S, B, H]-strided input (tensor parallel) gives each row the same bits as a contiguous [B, S, H] one.
 struct Rows {
   std::vector<int64_t> sizes, strides;
+  int64_t step = -1;  // rows evenly spaced `step` elements apart (e.g. contiguous x), else -1
   explicit Rows(const Tensor& t) : sizes(t.sizes().begin(), t.sizes().end() - 1),
-                                   strides(t.strides().begin(), t.strides().end() - 1) {}
+                                   strides(t.strides().begin(), t.strides().end() - 1) {
+    // A row's offset is then r * step: no division per row (a small norm's rows cost more in them
+    // than in their arithmetic).
+    step = strides.empty() ? 0 : strides.back();
+    int64_t expected = step;
+    for (int64_t i = static_cast<int64_t>(sizes.size()) - 1; i >= 0; --i) {
+      if (sizes[i] > 1 && strides[i] != expected) {
+        step = -1;
+        break;
+      }
+      expected *= sizes[i];
+    }
+  }
   int64_t offset(int64_t r) const {
+    if (step >= 0) return r * step;
     int64_t off = 0;
     for (int64_t i = static_cast<int64_t>(sizes.size()) - 1; i >= 0; --i) {
       off += (r % sizes[i]) * strides[i];
@@ -94,7 +108,7 @@ inline T row_dot_scaled(const T* __restrict g, const T* __restrict w, const T* _
   return combine_lanes(acc);
 }
 
-// One row each; the fp32 versions are also compiled for AVX2 and picked at load time (GCC's
+// One row each (the loops over rows below call them); the fp32 versions are also compiled for AVX2 and picked at load time (GCC's
 // target_clones), since the default x86-64 target vectorises only 4 lanes wide.
 template <typename T>
 inline T rms_forward_row(const T* __restrict x, const T* __restrict w, T* __restrict y, int64_t H, double eps) {
@@ -124,33 +138,61 @@ inline void rms_wgrad_row(const T* __restrict g, const T* __restrict x, T s, T* 
 #define MOETRON_CLONES
 #endif
 
-MOETRON_CLONES float rms_forward_row_f32(const float* x, const float* w, float* y, int64_t H, double eps) {
-  return rms_forward_row<float>(x, w, y, H, eps);
+// Loops over rows [b, e): one call per chunk, so each row's loops are inlined into the AVX2 clone.
+template <typename T>
+inline void rms_forward_rows(const T* x, const Rows& xr, const T* w, T* y, const Rows& yr, T* rstd, int64_t b,
+                             int64_t e, int64_t H, double eps) {
+  for (int64_t r = b; r < e; ++r) rstd[r] = rms_forward_row<T>(x + xr.offset(r), w, y + yr.offset(r), H, eps);
 }
-MOETRON_CLONES void rms_backward_row_f32(const float* g, const float* x, const float* w, float s, float* dx,
-                                         int64_t H) {
-  rms_backward_row<float>(g, x, w, s, dx, H);
+
+template <typename T>
+inline void rms_backward_rows(const T* g, const Rows& gr, const T* x, const Rows& xr, const T* w, const T* rstd,
+                              T* dx, const Rows& dr, int64_t b, int64_t e, int64_t H) {
+  for (int64_t r = b; r < e; ++r) rms_backward_row<T>(g + gr.offset(r), x + xr.offset(r), w, rstd[r], dx + dr.offset(r), H);
 }
-MOETRON_CLONES void rms_wgrad_row_f32(const float* g, const float* x, float s, float* part, int64_t H) {
-  rms_wgrad_row<float>(g, x, s, part, H);
+
+template <typename T>
+inline void rms_wgrad_rows(const T* g, const Rows& gr, const T* x, const Rows& xr, const T* rstd, T* part,
+                           int64_t b, int64_t e, int64_t H) {
+  for (int64_t r = b; r < e; ++r) rms_wgrad_row<T>(g + gr.offset(r), x + xr.offset(r), rstd[r], part, H);
 }
-double rms_forward_any(const double* x, const double* w, double* y, int64_t H, double eps) {
-  return rms_forward_row<double>(x, w, y, H, eps);
+
+MOETRON_CLONES void rms_forward_rows_f32(const float* x, const Rows& xr, const float* w, float* y, const Rows& yr,
+                                         float* rstd, int64_t b, int64_t e, int64_t H, double eps) {
+  rms_forward_rows<float>(x, xr, w, y, yr, rstd, b, e, H, eps);
 }
-float rms_forward_any(const float* x, const float* w, float* y, int64_t H, double eps) {
-  return rms_forward_row_f32(x, w, y, H, eps);
+MOETRON_CLONES void rms_backward_rows_f32(const float* g, const Rows& gr, const float* x, const Rows& xr,
+                                          const float* w, const float* rstd, float* dx, const Rows& dr, int64_t b,
+                                          int64_t e, int64_t H) {
+  rms_backward_rows<float>(g, gr, x, xr, w, rstd, dx, dr, b, e, H);
 }
-void rms_backward_any(const double* g, const double* x, const double* w, double s, double* dx, int64_t H) {
-  rms_backward_row<double>(g, x, w, s, dx, H);
+MOETRON_CLONES void rms_wgrad_rows_f32(const float* g, const Rows& gr, const float* x, const Rows& xr,
+                                       const float* rstd, float* part, int64_t b, int64_t e, int64_t H) {
+  rms_wgrad_rows<float>(g, gr, x, xr, rstd, part, b, e, H);
 }
-void rms_backward_any(const float* g, const float* x, const float* w, float s, float* dx, int64_t H) {
-  rms_backward_row_f32(g, x, w, s, dx, H);
+void rms_forward_any(const double* x, const Rows& xr, const double* w, double* y, const Rows& yr, double* rstd,
+                     int64_t b, int64_t e, int64_t H, double eps) {
+  rms_forward_rows<double>(x, xr, w, y, yr, rstd, b, e, H, eps);
 }
-void rms_wgrad_any(const double* g, const double* x, double s, double* part, int64_t H) {
-  rms_wgrad_row<double>(g, x, s, part, H);
+void rms_forward_any(const float* x, const Rows& xr, const float* w, float* y, const Rows& yr, float* rstd,
+                     int64_t b, int64_t e, int64_t H, double eps) {
+  rms_forward_rows_f32(x, xr, w, y, yr, rstd, b, e, H, eps);
 }
-void rms_wgrad_any(const float* g, const float* x, float s, float* part, int64_t H) {
-  rms_wgrad_row_f32(g, x, s, part, H);
+void rms_backward_any(const double* g, const Rows& gr, const double* x, const Rows& xr, const double* w,
+                      const double* rstd, double* dx, const Rows& dr, int64_t b, int64_t e, int64_t H) {
+  rms_backward_rows<double>(g, gr, x, xr, w, rstd, dx, dr, b, e, H);
+}
+void rms_backward_any(const float* g, const Rows& gr, const float* x, const Rows& xr, const float* w,
+                      const float* rstd, float* dx, const Rows& dr, int64_t b, int64_t e, int64_t H) {
+  rms_backward_rows_f32(g, gr, x, xr, w, rstd, dx, dr, b, e, H);
+}
+void rms_wgrad_any(const double* g, const Rows& gr, const double* x, const Rows& xr, const double* rstd,
+                   double* part, int64_t b, int64_t e, int64_t H) {
+  rms_wgrad_rows<double>(g, gr, x, xr, rstd, part, b, e, H);
+}
+void rms_wgrad_any(const float* g, const Rows& gr, const float* x, const Rows& xr, const float* rstd, float* part,
+                   int64_t b, int64_t e, int64_t H) {
+  rms_wgrad_rows_f32(g, gr, x, xr, rstd, part, b, e, H);
 }
 
 // x [..., H]: y laid out like x, rstd [rows] in logical row order.
@@ -166,7 +208,7 @@ std::tuple<Tensor, Tensor> rms_forward(const Tensor& x, const Tensor& w, double 
     scalar_t* yp = y.data_ptr<scalar_t>();
     scalar_t* sp = rstd.data_ptr<scalar_t>();
     at::parallel_for(0, R, grain_rows(H), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) sp[r] = rms_forward_any(xp + xr.offset(r), wp, yp + yr.offset(r), H, eps);
+      rms_forward_any(xp, xr, wp, yp, yr, sp, b, e, H, eps);
     });
   });
   return {y, rstd};
@@ -191,8 +233,7 @@ std::tuple<Tensor, Tensor> rms_backward(const Tensor& dy_in, const Tensor& x, co
     const scalar_t* sp = rstd.const_data_ptr<scalar_t>();
     scalar_t* dxp = dx.data_ptr<scalar_t>();
     at::parallel_for(0, R, grain_rows(H), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r)
-        rms_backward_any(gp + gr.offset(r), xp + xr.offset(r), wp, sp[r], dxp + dr.offset(r), H);
+      rms_backward_any(gp, gr, xp, xr, wp, sp, dxp, dr, b, e, H);
     });
     if (need_weight_grad) {
       const int64_t blocks = (R + kBlockRows - 1) / kBlockRows;
@@ -200,8 +241,7 @@ std::tuple<Tensor, Tensor> rms_backward(const Tensor& dy_in, const Tensor& x, co
       scalar_t* pp = parts.data_ptr<scalar_t>();
       at::parallel_for(0, blocks, std::max<int64_t>(1, grain_rows(H) / kBlockRows), [&](int64_t b, int64_t e) {
         for (int64_t k = b; k < e; ++k)
-          for (int64_t r = k * kBlockRows; r < std::min(R, (k + 1) * kBlockRows); ++r)
-            rms_wgrad_any(gp + gr.offset(r), xp + xr.offset(r), sp[r], pp + k * H, H);
+          rms_wgrad_any(gp, gr, xp, xr, sp, pp + k * H, k * kBlockRows, std::min(R, (k + 1) * kBlockRows), H);
       });
       dw = at::empty({H}, x.options());
       scalar_t* dwp = dw.data_ptr<scalar_t>();
@@ -258,11 +298,16 @@ Tensor rope(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, bool tr
     const int64_t xs0 = x.stride(0), xs1 = x.stride(1), xs2 = x.stride(2);
     const int64_t os0 = out.stride(0), os1 = out.stride(1), os2 = out.stride(2);
     at::parallel_for(0, B * NH * S, grain_rows(D), [&](int64_t begin, int64_t end) {
+      // (b, h, t) of row `begin`, then stepped row by row: no division per row
+      int64_t b = begin / (NH * S), h = (begin / S) % NH, t = begin % S;
       for (int64_t r = begin; r < end; ++r) {
-        const int64_t b = r / (NH * S), h = (r / S) % NH, t = r % S;
         const int64_t cs = ((per_batch ? b : 0) * S + t) * D;
         rope_row(xp + b * xs0 + h * xs1 + t * xs2, cp + cs, sp + cs, op + b * os0 + h * os1 + t * os2, D / 2,
                  transpose);
+        if (++t == S) {
+          t = 0;
+          if (++h == NH) h = 0, ++b;
+        }
       }
     });
   });
