@@ -4,6 +4,7 @@
     python benchmarks/step_ab.py --compare helper           # a small model's helper thread (wide threads 2), or none
     python benchmarks/step_ab.py --compare attention_split  # the attention core in two halves, or one call
     python benchmarks/step_ab.py --compare permute          # the MoE permute in torch ops, or the C++ kernel
+    python benchmarks/step_ab.py --compare router           # the softmax top-k router in torch ops, or in C++
     python benchmarks/step_ab.py --recipe deepseek-v3-tiny --set train.grad_accum=2 --steps 300 --runs 3
 
 On the shared 2-core development VM the same command's step medians move 10-15 % between runs, more
@@ -11,7 +12,10 @@ than most single changes buy. Here both settings train one model on the same dat
 switching every step, so drift, allocator state and other load hit both alike and their ratio holds to
 ~2 %. The run is set up as `moetron train` sets it up (its host choices: one intra-op thread and a
 helper for a small model, freed memory kept, sleeping OpenMP waits). Every setting compared here gives
-the same bits as its alternative (tested), so switching mid-run changes nothing but the time.
+the same bits as its alternative (tested), so switching mid-run changes nothing but the time; the C++
+router agrees with the eager one within a few ulp (tests/test_fused_router.py), so there it also changes
+the rounding, as the C++ permute does beyond top-2 (it sums a token's k outputs in slot order, the torch
+one in expert order).
 """
 
 from __future__ import annotations
@@ -54,6 +58,13 @@ def _settings(name: str):
         def split(on):
             sdpa_cpu.applies = real if on else (lambda *args: False)
         return [("attention in one call", lambda: split(False)), ("attention in two halves", lambda: split(True))]
+    if name == "router":
+        from moetron.moe.router import TopKRouter
+        real_fused = TopKRouter._fused
+
+        def fused(on):
+            TopKRouter._fused = real_fused if on else (lambda self, logits: False)
+        return [("eager router", lambda: fused(False)), ("C++ router", lambda: fused(True))]
     if name == "permute":
         from moetron.dispatch import permute
         return [("torch permute", lambda: permute.set_permute_impl("torch")),
@@ -63,7 +74,7 @@ def _settings(name: str):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--compare", required=True, choices=("weight_grads", "helper", "attention_split", "permute"))
+    p.add_argument("--compare", required=True, choices=("weight_grads", "helper", "attention_split", "permute", "router"))
     p.add_argument("--recipe", default="qwen3-moe-tiny")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
     p.add_argument("--steps", type=int, default=200, help="steps per run, the settings alternating")

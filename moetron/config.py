@@ -236,8 +236,8 @@ class TrainConfig:
     num_layers_at_end_in_bf16: int = 1
     dtype: str = "fp32"  # parameters: fp32, or bf16 (with fp32 gradients, master weights and moments)
     device: str = "auto"  # auto (this rank's GPU when CUDA is available, else the CPU), cpu, cuda
-    # elementwise kernels: auto (cpp on a CPU without FP8, else none), none (eager reference), cpp (C++ RMSNorm, RoPE and
-    # the experts' weighted SwiGLU, CPU tensors), compile (torch.compile'd, same math)
+    # elementwise kernels: auto (cpp on a CPU without FP8, else none), none (eager reference), cpp (C++ RMSNorm, RoPE,
+    # the experts' weighted SwiGLU and the softmax top-k router, CPU tensors), compile (torch.compile'd, same math)
     fusion: str = "auto"
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: "stop" (raise) or "skip" the update
     collective_timeout_s: float = 1800.0  # how long a collective waits for a dead or stuck rank

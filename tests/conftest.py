@@ -28,6 +28,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def cpp_kernels():
+    """Skip the module where moetron's C++ kernels cannot be built (no compiler or ninja)."""
+    from moetron.kernels import cpp_build
+
+    ok, reason = cpp_build.cpp_status(build=True)
+    if not ok:
+        pytest.skip(f"moetron's C++ kernels cannot be built here: {reason}")
+
+
 @pytest.fixture(autouse=True)
 def eager_fusion_after_each_test():
     """`build_run` sets the process-wide fusion mode (`train.fusion=auto` takes the C++ kernels on

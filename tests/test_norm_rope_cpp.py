@@ -9,14 +9,7 @@ from moetron import ops
 from moetron.kernels import cpp_build, norm_rope_cpu, threads
 from moetron.ops import functional as fn
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cpp_kernels():
-    ok, reason = cpp_build.cpp_status(build=True)
-    if not ok:
-        pytest.skip(f"moetron's C++ kernels cannot be built here: {reason}")
+pytestmark = pytest.mark.usefixtures("one_thread", "cpp_kernels")  # conftest.py
 
 
 @pytest.fixture

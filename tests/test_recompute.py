@@ -268,21 +268,30 @@ def measure(model, ids, labels):
     return meter.layer_bytes, rows, {n: m.layer_idx for n, m in layers.items()}
 
 
-@pytest.mark.parametrize("family", ["qwen", "deepseek"])
+@pytest.mark.parametrize("family", ["qwen", "deepseek", "qwen_switch"])
 def test_the_cpp_fusion_saves_what_the_formula_says(family):
-    """Under train.fusion=cpp (the CPU default) the experts' SwiGLU is one C++ kernel: the formula's
-    `fused_swiglu` terms, to the byte, with and without moe_act (the norms and RoPE save as before)."""
+    """Under train.fusion=cpp (the CPU default) the experts' SwiGLU is one C++ kernel, so is the permute
+    the trainer then takes, and so is a softmax router that `fused_router_covers` (qwen_switch): the
+    formula's `fused_*` terms, to the byte, with and without moe_act (the norms and RoPE save as before)."""
     if not cpp_build.cpp_status(build=True)[0]:
         pytest.skip("moetron's C++ kernels cannot be built here")
-    model = build(FAMILIES[family])
+    from moetron.dispatch.permute import set_permute_impl
+    from moetron.moe.router import fused_router_covers
+
+    config = {**QWEN, "aux_loss_type": "aux_loss", "z_loss_coeff": 0.0} if family == "qwen_switch" else FAMILIES[family]
+    model = build(config)
+    fused_router = fused_router_covers(model.config.moe_config())
+    assert fused_router == (family == "qwen_switch")
     ids, labels = data()
     ops.set_fusion("cpp")
+    set_permute_impl("cpp")  # as the trainer does under train.fusion=cpp (conftest.py restores the default)
     for modules in ([], ["moe_act"]):
         set_recompute(model, modules, 0)
         got, rows, index = measure(model, ids, labels)
         for name, nbytes in got.items():
             want = layer_activation_bytes(model.config, index[name], B, S, rows[name], modules=modules,
-                                          every_n_layers=0, fused_swiglu=True)
+                                          every_n_layers=0, fused_swiglu=True, fused_permute=True,
+                                          fused_router=fused_router)
             assert nbytes == want.total, (family, modules, name, nbytes, want.terms)
     assert "expert silu(gate)" not in want.terms
 

@@ -1,5 +1,5 @@
 """Build and load moetron's CPU kernels (`moetron/csrc/permute_cpu.cpp`, `swiglu_cpu.cpp`,
-`grouped_gemm_cpu.cpp`, `rmsnorm_rope_cpu.cpp`: one library)
+`grouped_gemm_cpu.cpp`, `rmsnorm_rope_cpu.cpp`, `router_cpu.cpp`: one library)
 on first use, once per machine.
 
 `torch.utils.cpp_extension.load` compiles the file with ninja into
@@ -40,6 +40,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "permute_cpu.cpp"
 SWIGLU_SOURCE = SOURCE.with_name("swiglu_cpu.cpp")  # built with SOURCE: one library, one build
 GEMM_SOURCE = SOURCE.with_name("grouped_gemm_cpu.cpp")  # likewise
 NORM_SOURCE = SOURCE.with_name("rmsnorm_rope_cpu.cpp")  # likewise
+ROUTER_SOURCE = SOURCE.with_name("router_cpu.cpp")  # likewise
 # -ffp-contract=off: no FMA contraction, the fused numerics equal the torch reference bit for bit.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
@@ -71,7 +72,7 @@ def _missing_tool() -> str | None:
 
 
 def _sources() -> tuple[Path, ...]:
-    return SOURCE, SWIGLU_SOURCE, GEMM_SOURCE, NORM_SOURCE
+    return SOURCE, SWIGLU_SOURCE, GEMM_SOURCE, NORM_SOURCE, ROUTER_SOURCE
 
 
 def build_directory(name: str = EXTENSION_NAME) -> Path:
@@ -238,6 +239,12 @@ def load_norm_ops(verbose: bool = False):
     """The CPU RMSNorm and RoPE of the same library (`torch.ops.moetron_norm`); see `load_permute_ops`."""
     load_permute_ops(verbose)
     return torch.ops.moetron_norm
+
+
+def load_router_ops(verbose: bool = False):
+    """The CPU softmax top-k router of the same library (`torch.ops.moetron_router`); see `load_permute_ops`."""
+    load_permute_ops(verbose)
+    return torch.ops.moetron_router
 
 
 def load_grouped_gemm_ops(verbose: bool = False):

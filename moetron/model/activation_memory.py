@@ -169,7 +169,8 @@ class LayerActivations:
 def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: int, rows: int | None = None,
                            *, modules: Iterable[str] | None = None, every_n_layers: int | None = None,
                            dtype: torch.dtype = torch.float32, device: str = "cpu", rope_batch: int = 1,
-                           grouped_mm: bool = True, fused_swiglu: bool = False) -> LayerActivations:
+                           grouped_mm: bool = True, fused_swiglu: bool = False, fused_router: bool = False,
+                           fused_permute: bool = False) -> LayerActivations:
     """The formula: bytes decoder layer `layer_idx` of `cfg` saves for backward in training (one
     process, the torch permute, no capacity padding), term by term.
 
@@ -180,6 +181,10 @@ def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: in
     through torch._grouped_mm (which saves its int32 offsets) rather than the per-expert loop.
     `fused_swiglu`: the experts' weighted SwiGLU is one kernel (C++ on a CPU under `train.fusion=cpp`,
     Triton on CUDA) that saves only its input and the weights, not silu(gate) and silu*up.
+    `fused_router`: the C++ softmax top-k router (train.fusion=cpp, where `fused_router_covers` the
+    config) saves its probabilities, top-k index and counts only. `fused_permute`: the C++ (or Triton)
+    permute, whose index maps ride on the autograd context rather than being saved (2 x rows x 8 bytes the
+    meter does not see), and whose unweighted combine saves nothing.
     docs/activation_memory.md derives every term.
     """
     modules = cfg.recompute_modules if modules is None else list(modules)
@@ -210,7 +215,8 @@ def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: in
     # --- MLP block ---------------------------------------------------------------------------------
     _norm(out, "mlp norm", T, H, b, discard_norm)
     if cfg.is_moe_layer(layer_idx):
-        _moe(out, cfg, T, batch, b, mods, T * cfg.top_k if rows is None else rows, grouped_mm, fused_swiglu)
+        _moe(out, cfg, T, batch, b, mods, T * cfg.top_k if rows is None else rows, grouped_mm, fused_swiglu,
+             fused_router, fused_permute)
     else:
         if not discard_norm:  # saved by gate/up (or held as the checkpoint's input)
             out.add("mlp norm output", T * H * b)
@@ -314,7 +320,7 @@ def _mla(out: LayerActivations, cfg: ModelConfig, B: int, S: int, b: int, mods, 
 
 
 def _moe(out: LayerActivations, cfg: ModelConfig, T: int, B: int, b: int, mods, N: int, grouped_mm: bool,
-         fused_swiglu: bool = False) -> None:
+         fused_swiglu: bool = False, fused_router: bool = False, fused_permute: bool = False) -> None:
     H, E, k = cfg.hidden_size, cfg.num_experts, cfg.top_k
     moe_cfg = cfg.moe_config()
     discard_norm = "layernorm" in mods
@@ -327,6 +333,37 @@ def _moe(out: LayerActivations, cfg: ModelConfig, T: int, B: int, b: int, mods, 
     if not fp32_router_input:
         out.add("router input fp32", T * H * 4)
         out.add("router weight fp32", E * H * 4)
+    if fused_router:  # the C++ router's probabilities, top-k index and expert counts
+        out.add("router scores", T * E * 4)
+        out.add("router top-k index", T * k * 8)
+        out.add("router expert counts", E * 8)
+    else:
+        _eager_router(out, moe_cfg, T, B, k)
+    # dispatch / combine
+    if not fused_permute:  # torch permute
+        out.add("permute token index", N * 8)  # index_select; index_add reuses it
+    out.add("row weights slot index", N * 8)  # the gate weight of each row (moe/layer.py: probs_on_experts)
+    if not fused_permute:
+        out.add("expert output", N * H * b)  # index_add's source (the weights are applied in the experts)
+    # routed experts
+    F = cfg.moe_intermediate_size
+    if grouped_mm:
+        out.add("grouped GEMM offsets", 2 * E * 4)
+    out.add("expert input", N * H * b)
+    out.add("expert gate_up", N * 2 * F * b)
+    out.add("expert weights", N * 4)  # fp32 gate weight per row (kept by the moe_act region too)
+    if "moe_act" not in mods:
+        if not fused_swiglu:  # weighted SwiGLU (torch reference): silu(gate), silu*up
+            out.add("expert silu(gate)", N * F * b)
+            out.add("expert act", N * F * b)
+        out.add("expert weighted act", N * F * b)  # the down projection's input
+    if moe_cfg.shared_expert_ffn_size and "shared_experts" not in mods:
+        _swiglu_mlp(out, "shared experts", T, moe_cfg.shared_expert_ffn_size, b)
+
+
+def _eager_router(out: LayerActivations, moe_cfg, T: int, B: int, k: int) -> None:
+    """What the eager TopKRouter saves (fp32): scores, top-k index, normalisation, balancing losses."""
+    E = moe_cfg.num_experts
     out.add("router scores", T * E * 4)  # softmax / sigmoid result (also gather's input)
     out.add("router top-k index", T * k * 8)
     if moe_cfg.score_func == "softmax" and not moe_cfg.softmax_before_topk:
@@ -346,21 +383,3 @@ def _moe(out: LayerActivations, cfg: ModelConfig, T: int, B: int, b: int, mods, 
     if moe_cfg.capacity_factor is not None:
         out.add("capacity drop mask", T * k)
     out.add("routing weights mask", T * k)  # Routing.from_topk masks dropped slots (bool)
-    # dispatch / combine (torch permute)
-    out.add("permute token index", N * 8)  # index_select; index_add reuses it
-    out.add("row weights slot index", N * 8)  # the gate weight of each row (moe/layer.py: probs_on_experts)
-    out.add("expert output", N * H * b)  # index_add's source (the weights are applied in the experts)
-    # routed experts
-    F = cfg.moe_intermediate_size
-    if grouped_mm:
-        out.add("grouped GEMM offsets", 2 * E * 4)
-    out.add("expert input", N * H * b)
-    out.add("expert gate_up", N * 2 * F * b)
-    out.add("expert weights", N * 4)  # fp32 gate weight per row (kept by the moe_act region too)
-    if "moe_act" not in mods:
-        if not fused_swiglu:  # weighted SwiGLU (torch reference): silu(gate), silu*up
-            out.add("expert silu(gate)", N * F * b)
-            out.add("expert act", N * F * b)
-        out.add("expert weighted act", N * F * b)  # the down projection's input
-    if moe_cfg.shared_expert_ffn_size and "shared_experts" not in mods:
-        _swiglu_mlp(out, "shared experts", T, moe_cfg.shared_expert_ffn_size, b)

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moetron.dispatch.routing import Routing, count_per_expert
-from moetron.ops import recompute
+from moetron.kernels import fused_router
+from moetron.ops import fusion_mode, recompute
 from moetron.ops.linear import linear
 from moetron.moe import balancing
 from moetron.moe.config import MoEConfig
@@ -48,6 +49,15 @@ def drop_over_capacity(topk_idx_TK, topk_weights_TK, num_experts: int, cap: int,
         keep_TE = torch.zeros_like(chosen_TE).scatter_(0, top_rows, True) & chosen_TE
     keep_TK = keep_TE.gather(1, topk_idx_TK)
     return topk_idx_TK.masked_fill(~keep_TK, -1), topk_weights_TK.masked_fill(~keep_TK, 0.0)
+
+
+def fused_router_covers(cfg: MoEConfig, balancing: bool = True, cp: int = 1) -> bool:
+    """Whether the C++ softmax top-k router (moetron/kernels/fused_router.py) covers `cfg`'s router;
+    what it leaves out (an expert bias, groups, capacity, and while balancing: a z-loss, the sequence-wise or
+    global loss, context parallelism) runs eagerly. `balancing`: a training forward with gradients."""
+    return (cfg.score_func == "softmax" and cfg.softmax_before_topk and not cfg.expert_bias
+            and cfg.num_groups is None and cfg.capacity_factor is None
+            and not (balancing and (cfg.z_loss_coeff > 0 or cp > 1 or cfg.aux_loss_type not in ("none", "aux_loss"))))
 
 
 class TopKRouter(nn.Module):
@@ -103,6 +113,8 @@ class TopKRouter(nn.Module):
         (`bias_update_counts`: the top-k selections before capacity drops, or the slots kept after)."""
         cfg = self.config
         logits_TE = linear(x_TH.float(), self.weight.float())
+        if self._fused(logits_TE):
+            return self._fused_forward(logits_TE)
         if cfg.score_func == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
         elif cfg.softmax_before_topk:
@@ -132,6 +144,33 @@ class TopKRouter(nn.Module):
         routing = Routing.from_topk(topk_idx, weights, cfg.num_experts, cap, dropless=cap is None)
         bias_counts = routing.tokens_per_expert if cfg.bias_update_counts == "kept" else selected_counts
         return routing, losses, bias_counts
+
+    def _fused(self, logits_TE: torch.Tensor) -> bool:
+        """Whether the C++ softmax top-k (train.fusion=cpp) takes this forward (`fused_router_covers`)."""
+        cp = self.cp_group.size if self.cp_group is not None else 1
+        return (fusion_mode() == "cpp" and fused_router.applies(logits_TE)
+                and fused_router_covers(self.config, self.training and torch.is_grad_enabled(), cp))
+
+    def _fused_forward(self, logits_TE: torch.Tensor) -> tuple[Routing, RouterLosses, torch.Tensor]:
+        """forward's result from one C++ pass: the Switch loss's gradient (`E/k * counts_e / T^2` for
+        every token's probability of e, times the coefficient and the aux-loss scale) joins in its backward."""
+        cfg = self.config
+        T, E, K = logits_TE.shape[0], cfg.num_experts, cfg.top_k
+        aux_on = (self.training and torch.is_grad_enabled() and cfg.aux_loss_type == "aux_loss"
+                  and cfg.aux_loss_coeff > 0)
+        aux_grad = None
+        if aux_on:
+            per_count = cfg.aux_loss_coeff * E / K / max(T * T, 1)
+
+            def aux_grad(counts):
+                return counts.float() * (per_count * balancing.aux_loss_scale())
+        weights, topk_idx, counts, prob_sums = fused_router.TopKSoftmax.apply(
+            logits_TE, K, cfg.norm_topk_prob, cfg.scaling_factor, aux_grad)
+        losses = RouterLosses()
+        if aux_on:
+            aux = balancing.switch_aux_from_sums(prob_sums, counts, K, max(T, 1)) * cfg.aux_loss_coeff
+            losses.values[cfg.aux_loss_type] = aux
+        return Routing(topk_idx, weights, counts, E, None, dropless=True), losses, counts
 
     def _balancing_losses(self, logits_TE, topk_idx, weights, counts_E, seq_len):
         cfg = self.config

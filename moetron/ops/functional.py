@@ -5,7 +5,7 @@ numerics). `set_fusion("compile")` routes the same calls through `torch.compile`
 versions of the same bodies, so a fused kernel never changes the math written
 here; `set_fusion("cpp")` sends fp32/fp64 CPU RMSNorm, RoPE and the experts' weighted SwiGLU
 to one C++ pass each way (moetron/kernels/norm_rope_cpu.py, fused_swiglu.py: RoPE bit for bit,
-the others within a few ulp).
+the others within a few ulp), and the MoE router reads it too (moetron/kernels/fused_router.py).
 Library kernels (Liger, Transformer Engine) plug in the same way.
 
 Eagerly (`none`), fp32 RMSNorm and halves-layout RoPE run as autograd Functions: the reference's

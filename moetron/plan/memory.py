@@ -19,6 +19,7 @@ import torch
 from moetron.config import ModelConfig
 from moetron.model.activation_memory import layer_activation_bytes
 from moetron.model.model import MoETransformer
+from moetron.moe.router import fused_router_covers
 from moetron.parallel.data_parallel import PAD_ALIGN, default_bucket_size
 from moetron.parallel.zero import MAX_IN_FLIGHT
 from moetron.pipeline.layout import PipelineStage
@@ -228,14 +229,16 @@ def layer_terms(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype
     b = torch.finfo(dtype).bits // 8
     rows = cand.mbs * S * c.top_k // tp  # the routed experts see this rank's tokens
     modules = () if cand.full_recompute else cand.recompute
-    # on a CPU the trainer's default (train.fusion=auto) runs the C++ weighted SwiGLU on fp32 rows without
-    # FP8; without a C++ compiler it falls back to the eager one, which saves 2 x [rows, F] more
+    # on a CPU the trainer's default (train.fusion=auto) runs the C++ weighted SwiGLU, permute and router on
+    # fp32 without FP8; without a C++ compiler they fall back to the eager ones, which save more
+    cpp = device == "cpu" and dtype == torch.float32 and not fp8
     terms = layer_activation_bytes(c, layer_idx, cand.mbs, S, rows, modules=modules,
                                    every_n_layers=1 if cand.full_recompute else 0, dtype=dtype, device=device,
-                                   fused_swiglu=device == "cpu" and dtype == torch.float32 and not fp8).terms
+                                   fused_swiglu=cpp, fused_permute=cpp,
+                                   fused_router=cpp and fused_router_covers(c.moe_config(), cp=cand.cp)).terms
     out = {n: _scale(n, v, tp, sp) for n, v in terms.items()}
     if tp > 1 and not cand.full_recompute:
-        _tensor_parallel_terms(out, terms, c, layer_idx, cand, S, b, sp, modules)
+        _tensor_parallel_terms(out, terms, c, layer_idx, cand, S, b, sp, modules, cpp)
     if device == "cuda":
         for name in _NOT_ON_GPU:
             out.pop(name, None)
@@ -259,7 +262,7 @@ def layer_terms(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype
 
 
 def _tensor_parallel_terms(out: dict, terms: dict, c: ModelConfig, layer_idx: int, cand: Candidate, S: int, b: int,
-                           sp: bool, modules) -> None:
+                           sp: bool, modules, fused_permute: bool = False) -> None:
     """What tensor parallelism saves beyond splitting the one-process terms (measured: tests/test_plan.py).
     Under sequence parallel a column-parallel linear saves the all-gathered input (the whole sequence);
     with a micro-batch of several sequences the gathered [B, S, H] is not contiguous and each linear
@@ -291,7 +294,7 @@ def _tensor_parallel_terms(out: dict, terms: dict, c: ModelConfig, layer_idx: in
                     (full if b == 4 else 0)
     if c.is_moe_layer(layer_idx) and "moe" not in modules:  # measured; the local routing's mask
         rows = T * c.top_k // tp
-        out["tp combine"] = rows * (H * b + 16) + T // tp * c.top_k
+        out["tp combine"] = rows * (8 if fused_permute else H * b + 16) + T // tp * c.top_k
 
 
 def _megatron_storage(out: dict, c: ModelConfig, layer_idx: int, cand: Candidate, S: int, b: int, sp: bool,

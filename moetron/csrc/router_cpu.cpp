@@ -1,0 +1,172 @@
+// The softmax top-k router's selection and its backward for CPU tensors (moetron.kernels.fused_router,
+// train.fusion "cpp"). Built with the other csrc files into one library by moetron/kernels/cpp_build.py
+// and registered as torch.ops.moetron_router.*. Why: the eager router is ~25 small ops forward and ~15
+// backward per MoE layer (softmax twice, top-k, gather, normalisation, two expert counts, the Switch
+// loss); in a small model each costs more than its arithmetic.
+//
+//   forward:  p = softmax(logits) (ATen's, the same bits);  idx[t] = the k largest p[t, :], descending
+//             (NaN first, ties to the lower expert);  w[t, j] = p[t, idx[t, j]], / (sum_j w[t, j] + 1e-20)
+//             when normalised, * scale;  counts[e] = #(t, j) with idx[t, j] = e;  psum[e] = sum_t p[t, e]
+//   backward: gw = grad_w * scale;  normalised: S = sum_j p[t, idx_j] + 1e-20,
+//             dp[idx_j] = gw_j / S - (sum_i gw_i p[t, idx_i]) / S^2;  dp[t, e] += aux_e (the balancing
+//             loss's gradient, the same for every token);  dlogits = p * (dp - sum_e p * dp)
+//
+// Rows run in order within a thread; psum adds fixed blocks of rows, then the blocks in order: the same
+// bits on any thread count. The eager reference sums in other orders, so weights and gradients differ
+// from it by a few ulp (the bound is tested in tests/test_fused_router.py).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_softmax.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+constexpr int64_t kBlockRows = 64;  // psum / counts: rows per partial sum (fixed: results do not depend on threads)
+
+bool before(float a, int64_t ia, float b, int64_t ib) {  // a ranks before b: NaN first, then larger, then lower id
+  const bool na = std::isnan(a), nb = std::isnan(b);
+  if (na != nb) return na;
+  if (!na && a != b) return a > b;
+  return ia < ib;
+}
+
+void check_logits(const Tensor& logits, int64_t k, const char* where) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat &&
+                  logits.is_contiguous(),
+              "moetron router (cpp) ", where, ": logits must be a contiguous float32 CPU tensor [T, E], got ",
+              logits.scalar_type(), " ", logits.sizes(), " on ", logits.device());
+  TORCH_CHECK(k >= 1 && k <= logits.size(1), "moetron router (cpp) ", where, ": top_k=", k, " must be in [1, E=",
+              logits.size(1), "]");
+}
+
+// logits [T, E] -> probs [T, E], idx [T, k] int64, weights [T, k], counts [E] int64, prob_sums [E].
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> topk_softmax_forward(const Tensor& logits, int64_t k,
+                                                                         bool normalize, double scale) {
+  check_logits(logits, k, "forward");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  const Tensor probs = at::_softmax(logits, 1, false);
+  Tensor idx = at::empty({T, k}, logits.options().dtype(at::kLong));
+  Tensor weights = at::empty({T, k}, logits.options());
+  const int64_t blocks = std::max<int64_t>(1, (T + kBlockRows - 1) / kBlockRows);
+  Tensor part_sums = at::zeros({blocks, E}, logits.options());
+  Tensor part_counts = at::zeros({blocks, E}, logits.options().dtype(at::kLong));
+  const float* pp = probs.const_data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  float* wp = weights.data_ptr<float>();
+  float* sp = part_sums.data_ptr<float>();
+  int64_t* cp = part_counts.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      float* sums = sp + blk * E;
+      int64_t* counts = cp + blk * E;
+      for (int64_t t = blk * kBlockRows; t < std::min(T, (blk + 1) * kBlockRows); ++t) {
+        const float* p = pp + t * E;
+        int64_t* it = ip + t * k;
+        float* wt = wp + t * k;
+        int64_t n = 0;  // insertion into the k best so far, kept in rank order
+        for (int64_t e = 0; e < E; ++e) {
+          sums[e] += p[e];
+          if (n == k && !before(p[e], e, p[it[k - 1]], it[k - 1])) continue;
+          int64_t j = n < k ? n++ : k - 1;
+          while (j > 0 && before(p[e], e, p[it[j - 1]], it[j - 1])) {
+            it[j] = it[j - 1];
+            --j;
+          }
+          it[j] = e;
+        }
+        float total = 0.0f;
+        for (int64_t j = 0; j < k; ++j) {
+          wt[j] = p[it[j]];
+          total += wt[j];
+          ++counts[it[j]];
+        }
+        for (int64_t j = 0; j < k; ++j) {
+          if (normalize) wt[j] = wt[j] / (total + 1e-20f);
+          if (fscale != 1.0f) wt[j] = wt[j] * fscale;
+        }
+      }
+    }
+  });
+  Tensor prob_sums = at::empty({E}, logits.options());
+  Tensor counts = at::empty({E}, logits.options().dtype(at::kLong));
+  float* ps = prob_sums.data_ptr<float>();
+  int64_t* cs = counts.data_ptr<int64_t>();
+  for (int64_t e = 0; e < E; ++e) {
+    ps[e] = sp[e];
+    cs[e] = cp[e];
+  }
+  for (int64_t blk = 1; blk < blocks; ++blk)
+    for (int64_t e = 0; e < E; ++e) {
+      ps[e] += sp[blk * E + e];
+      cs[e] += cp[blk * E + e];
+    }
+  return {probs, idx, weights, counts, prob_sums};
+}
+
+// grad_weights [T, k] (any strides), probs [T, E], idx [T, k], aux [E] float32 or undefined -> dlogits [T, E].
+Tensor topk_softmax_backward(const Tensor& grad_in, const Tensor& probs, const Tensor& idx, bool normalize,
+                             double scale, const c10::optional<Tensor>& aux_in) {
+  check_logits(probs, idx.size(1), "backward");
+  const int64_t T = probs.size(0), E = probs.size(1), k = idx.size(1);
+  const Tensor grad = grad_in.contiguous();
+  TORCH_CHECK(grad.scalar_type() == at::kFloat && grad.sizes() == idx.sizes() && idx.scalar_type() == at::kLong &&
+                  idx.is_contiguous() && idx.size(0) == T,
+              "moetron router (cpp) backward: grad must be float32 ", idx.sizes(), " like idx [T=", T, ", k], got ",
+              grad.scalar_type(), " ", grad.sizes());
+  const Tensor aux = aux_in.has_value() && aux_in->defined() ? aux_in->contiguous() : Tensor();
+  TORCH_CHECK(!aux.defined() || (aux.scalar_type() == at::kFloat && aux.numel() == E),
+              "moetron router (cpp) backward: aux must be float32 [E=", E, "]");
+  Tensor dlogits = at::empty({T, E}, probs.options());
+  const float* gp = grad.const_data_ptr<float>();
+  const float* pp = probs.const_data_ptr<float>();
+  const int64_t* ip = idx.const_data_ptr<int64_t>();
+  const float* ap = aux.defined() ? aux.const_data_ptr<float>() : nullptr;
+  float* dp_out = dlogits.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / std::max<int64_t>(E, 1)), [&](int64_t b, int64_t e_end) {
+    std::vector<float> dp(E);
+    for (int64_t t = b; t < e_end; ++t) {
+      const float* p = pp + t * E;
+      const int64_t* it = ip + t * k;
+      const float* g = gp + t * k;
+      for (int64_t e = 0; e < E; ++e) dp[e] = ap ? ap[e] : 0.0f;
+      if (normalize) {
+        float total = 0.0f, dot = 0.0f;
+        for (int64_t j = 0; j < k; ++j) total += p[it[j]];
+        total += 1e-20f;
+        for (int64_t j = 0; j < k; ++j) dot += (g[j] * fscale) * p[it[j]];
+        const float common = -dot / (total * total);
+        for (int64_t j = 0; j < k; ++j) dp[it[j]] += (g[j] * fscale) / total + common;
+      } else {
+        for (int64_t j = 0; j < k; ++j) dp[it[j]] += g[j] * fscale;
+      }
+      float inner = 0.0f;
+      for (int64_t e = 0; e < E; ++e) inner += p[e] * dp[e];
+      float* out = dp_out + t * E;
+      for (int64_t e = 0; e < E; ++e) out[e] = p[e] * (dp[e] - inner);
+    }
+  });
+  return dlogits;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(moetron_router, m) {
+  m.def("topk_softmax_forward(Tensor logits, int k, bool normalize, float scale) -> (Tensor, Tensor, Tensor, Tensor, "
+        "Tensor)",
+        &topk_softmax_forward);
+  m.def("topk_softmax_backward(Tensor grad, Tensor probs, Tensor idx, bool normalize, float scale, Tensor? aux) -> "
+        "Tensor",
+        &topk_softmax_backward);
+}

@@ -1,0 +1,54 @@
+"""The softmax top-k router's selection as one C++ pass each way, for fp32 CPU logits.
+
+`moetron.moe.router.TopKRouter` takes it under `set_fusion("cpp")` (the trainer's `train.fusion=auto`
+on a CPU) for the routers it covers: softmax scores before the top-k, no expert bias or groups, no
+capacity, the Switch balancing loss or none, no z-loss (`applies`). What it replaces is ~25 small
+eager ops forward and ~15 backward per MoE layer: softmax (twice: scores and balancing
+probabilities), top-k, gather, normalisation, two expert counts and the Switch loss.
+The probabilities are ATen's softmax, so the experts chosen are the eager router's (ties go to the
+lower expert id); weights and gradients agree with the eager router within a few ulp (sums in
+another order; moetron/csrc/router_cpu.cpp, bounds in tests/test_fused_router.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from moetron.kernels import cpp_build
+
+
+def ops():
+    """`torch.ops.moetron_router`, building the C++ library on first use (raises `CppBuildError`)."""
+    return cpp_build.load_router_ops()
+
+
+class TopKSoftmax(torch.autograd.Function):
+    """logits [T, E] fp32 -> (weights [T, k], topk_idx [T, k], counts [E] int64, prob_sums [E]).
+
+    `aux_grad(counts) -> [E]` (or None): the balancing loss's gradient w.r.t. each token's
+    probabilities, asked for in backward (it reads the aux-loss scale then, as `inject_aux_loss` does).
+    Only `weights` is differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, k: int, normalize: bool, scale: float, aux_grad):
+        probs, idx, weights, counts, prob_sums = ops().topk_softmax_forward(logits, k, normalize, scale)
+        ctx.save_for_backward(probs, idx, counts)
+        ctx.normalize, ctx.scale, ctx.aux_grad = normalize, scale, aux_grad
+        ctx.mark_non_differentiable(idx, counts, prob_sums)
+        return weights, idx, counts, prob_sums
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_weights, *unused):
+        probs, idx, counts = ctx.saved_tensors
+        if grad_weights is None:
+            grad_weights = probs.new_zeros(idx.shape)
+        aux = None if ctx.aux_grad is None else ctx.aux_grad(counts)
+        return ops().topk_softmax_backward(grad_weights, probs, idx, ctx.normalize, ctx.scale, aux), None, None, None, None
+
+
+def applies(logits: torch.Tensor) -> bool:
+    """Whether the kernel takes these logits (fp32 on a CPU, [T, E])."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
