@@ -5,6 +5,7 @@
     python benchmarks/step_ab.py --compare attention_split  # the attention core in two halves, or one call
     python benchmarks/step_ab.py --compare permute          # the MoE permute in torch ops, or the C++ kernel
     python benchmarks/step_ab.py --compare router           # the softmax top-k router in torch ops, or in C++
+    python benchmarks/step_ab.py --compare norm_rope        # Qwen3's q/k norm and RoPE as two C++ ops, or one
     python benchmarks/step_ab.py --recipe deepseek-v3-tiny --set train.grad_accum=2 --steps 300 --runs 3
 
 On the shared 2-core development VM the same command's step medians move 10-15 % between runs, more
@@ -58,6 +59,13 @@ def _settings(name: str):
         def split(on):
             sdpa_cpu.applies = real if on else (lambda *args: False)
         return [("attention in one call", lambda: split(False)), ("attention in two halves", lambda: split(True))]
+    if name == "norm_rope":
+        from moetron.kernels import norm_rope_cpu
+        real_applies = norm_rope_cpu.rms_norm_rope_applies
+
+        def fused(on):
+            norm_rope_cpu.rms_norm_rope_applies = real_applies if on else (lambda *args: False)
+        return [("q/k norm, then RoPE", lambda: fused(False)), ("q/k norm and RoPE in one op", lambda: fused(True))]
     if name == "router":
         from moetron.moe.router import TopKRouter
         real_fused = TopKRouter._fused
@@ -74,7 +82,7 @@ def _settings(name: str):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--compare", required=True, choices=("weight_grads", "helper", "attention_split", "permute", "router"))
+    p.add_argument("--compare", required=True, choices=("weight_grads", "helper", "attention_split", "permute", "router", "norm_rope"))
     p.add_argument("--recipe", default="qwen3-moe-tiny")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
     p.add_argument("--steps", type=int, default=200, help="steps per run, the settings alternating")

@@ -68,6 +68,30 @@ def test_rms_norm_within_a_few_ulp_of_the_reference(fusion):
     assert not torch.equal(gx, torch.zeros_like(gx))
 
 
+@pytest.mark.parametrize("cos_batch", [1, 3])
+def test_norm_then_rope_in_one_op_equals_the_two_ops_bit_for_bit(cos_batch, fusion):
+    """Qwen3's q/k path: `rms_norm_rope` under cpp is one op each way with the bits of the C++ RMSNorm
+    followed by the C++ RoPE (forward, input and weight gradients)."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(3, 20, 4, 16, generator=g) * 2).requires_grad_()
+    w = (1 + 0.3 * torch.randn(16, generator=g)).requires_grad_()
+    cos, sin = _cos_sin(cos_batch, 20, 16)
+    grad = torch.randn(3, 4, 20, 16, generator=g)
+    fusion("cpp")
+    apart = ops.apply_rope(ops.rms_norm(x, w, 1e-6).transpose(1, 2), cos, sin)
+    want = torch.autograd.grad(apart, (x, w), grad)
+    out = ops.rms_norm_rope(x, w, 1e-6, cos, sin)
+    assert "RMSNormRope" in type(out.grad_fn).__name__ and out.shape == (3, 4, 20, 16)
+    assert torch.equal(out, apart) and out.stride() == apart.stride()
+    got = torch.autograd.grad(out, (x, w), grad)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[1].abs().sum() > 0
+    # the gradient as the attention hands it over: a [B, heads, S, d]-contiguous tensor
+    (strided,) = torch.autograd.grad(ops.rms_norm_rope(x, w, 1e-6, cos, sin), x, grad.contiguous())
+    assert torch.equal(strided, want[0])
+    fusion("none")  # the eager bodies: the same function, within RMSNorm's few ulp
+    torch.testing.assert_close(ops.rms_norm_rope(x, w, 1e-6, cos, sin), apart, rtol=1e-5, atol=1e-6)
+
+
 def test_gradients_agree_with_finite_differences_in_float64():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5, 8, dtype=torch.float64, generator=g, requires_grad=True)

@@ -314,6 +314,65 @@ Tensor rope(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, bool tr
   return out;
 }
 
+// --- RMSNorm then RoPE (Qwen3's q/k norms) --------------------------------------------------------
+//
+// x [B, S, N, d] contiguous (a projection's output as heads), weight [d], cos/sin [Bc, S, d] (Bc 1 or B):
+// y [B, S, N, d] = rope(rms_norm(x)) row by row through a [d] buffer, the same arithmetic as the two ops
+// apart, so the same bits; one pass and one op each way instead of two. The caller views y as [B, N, S, d].
+
+void check_norm_rope(const Tensor& x, const Tensor& w, const Tensor& cos, const Tensor& sin, const char* where) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 4 && x.is_contiguous() && x.size(3) % 2 == 0,
+              "moetron rms_norm_rope (cpp) ", where, ": x must be a contiguous CPU tensor [B, S, heads, d], d even, got ",
+              x.sizes(), " strides ", x.strides());
+  check_norm(x, w, where);
+  for (const Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dim() == 3 && (t->size(0) == 1 || t->size(0) == x.size(0)) && t->size(1) == x.size(1) &&
+                    t->size(2) == x.size(3) && t->scalar_type() == x.scalar_type() && t->is_contiguous(),
+                "moetron rms_norm_rope (cpp) ", where, ": cos and sin must be contiguous [1 or B=", x.size(0),
+                ", S=", x.size(1), ", d=", x.size(3), "] of ", x.scalar_type(), ", got ", t->scalar_type(), " ",
+                t->sizes());
+  }
+}
+
+std::tuple<Tensor, Tensor> rms_rope_forward(const Tensor& x, const Tensor& w, double eps, const Tensor& cos,
+                                            const Tensor& sin) {
+  check_norm_rope(x, w, cos, sin, "forward");
+  const int64_t B = x.size(0), S = x.size(1), N = x.size(2), D = x.size(3), R = B * S * N;
+  const bool per_batch = cos.size(0) == B && B > 1;
+  Tensor y = at::empty_like(x), rstd = at::empty({R}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "rms_rope_forward", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* wp = w.const_data_ptr<scalar_t>();
+    const scalar_t* cp = cos.const_data_ptr<scalar_t>();
+    const scalar_t* snp = sin.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    scalar_t* sp = rstd.data_ptr<scalar_t>();
+    at::parallel_for(0, R, grain_rows(D), [&](int64_t b0, int64_t e) {
+      std::vector<scalar_t> normed(D);
+      for (int64_t r = b0; r < e; ++r) {
+        const int64_t b = r / (S * N), t = (r / N) % S;
+        sp[r] = rms_forward_row<scalar_t>(xp + r * D, wp, normed.data(), D, eps);
+        const int64_t cs = ((per_batch ? b : 0) * S + t) * D;
+        rope_row(normed.data(), cp + cs, snp + cs, yp + r * D, D / 2, false);
+      }
+    });
+  });
+  return {y, rstd};
+}
+
+// dy [B, N, S, d] (the output's layout; unit stride on d): RoPE's transpose, then the RMSNorm backward, as the
+// two ops apart (each takes any layout of the rows).
+std::tuple<Tensor, Tensor> rms_rope_backward(const Tensor& dy_in, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                                             const Tensor& cos, const Tensor& sin, bool need_weight_grad) {
+  check_norm_rope(x, w, cos, sin, "backward");
+  TORCH_CHECK(dy_in.dim() == 4 && dy_in.transpose(1, 2).sizes() == x.sizes(),
+              "moetron rms_norm_rope (cpp) backward: grad must be [B, heads, S, d] for x ", x.sizes(), ", got ",
+              dy_in.sizes());
+  const Tensor dy = dy_in.stride(3) == 1 ? dy_in : dy_in.contiguous();
+  const Tensor g = rope(dy, cos.unsqueeze(1), sin.unsqueeze(1), true).transpose(1, 2);
+  return rms_backward(g, x, w, rstd, need_weight_grad);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(moetron_norm, m) {
@@ -321,4 +380,9 @@ TORCH_LIBRARY(moetron_norm, m) {
   m.def("rms_backward(Tensor grad, Tensor x, Tensor weight, Tensor rstd, bool need_weight_grad) -> (Tensor, Tensor)",
         &rms_backward);
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool transpose) -> Tensor", &rope);
+  m.def("rms_rope_forward(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
+        &rms_rope_forward);
+  m.def("rms_rope_backward(Tensor grad, Tensor x, Tensor weight, Tensor rstd, Tensor cos, Tensor sin, "
+        "bool need_weight_grad) -> (Tensor, Tensor)",
+        &rms_rope_backward);
 }

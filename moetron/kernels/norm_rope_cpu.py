@@ -4,7 +4,8 @@
 CPU). A small model's step is mostly per-op cost: the eager RMSNorm is ~10 ops each way, RoPE ~6,
 each costing more than its arithmetic. RoPE here equals the torch reference bit for bit; RMSNorm
 sums its squares in 8 fixed lanes, within a few ulp of it (moetron/csrc/rmsnorm_rope_cpu.cpp;
-the bounds are in tests/test_norm_rope_cpp.py).
+the bounds are in tests/test_norm_rope_cpp.py). Qwen3's q/k norm followed by RoPE is one op each way
+(`RMSNormRopeFunction`), with the bits of the two apart.
 """
 
 from __future__ import annotations
@@ -58,6 +59,26 @@ class RopeFunction(torch.autograd.Function):
         return ops().rope(grad, cos, sin, True), None, None
 
 
+class RMSNormRopeFunction(torch.autograd.Function):
+    """x [B, S, heads, d] contiguous, weight [d], cos/sin [B or 1, S, d] without grad: RoPE of the
+    RMSNorm (Qwen3's q/k norms) as one op each way, the same bits as the two apart; returns the
+    [B, heads, S, d] view the attention takes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, cos, sin):
+        cos, sin, weight = cos.contiguous(), sin.contiguous(), weight.contiguous()
+        y, rstd = ops().rms_rope_forward(x, weight, eps, cos, sin)
+        ctx.save_for_backward(x, weight, rstd, cos, sin)
+        return y.transpose(1, 2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, weight, rstd, cos, sin = ctx.saved_tensors
+        grad_x, grad_w = ops().rms_rope_backward(grad, x, weight, rstd, cos, sin, ctx.needs_input_grad[1])
+        return grad_x, grad_w, None, None, None
+
+
 def rms_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Any layout with unit stride on H (tensor parallel hands over [S, B, H]-strided views): a row
     must get the same bits in every layout, or layouts stop training alike."""
@@ -71,3 +92,9 @@ def rope_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
             and cos.shape == sin.shape
             and x.stride(-1) == 1 and x.shape[-1] % 2 == 0 and cos.dim() == 3
             and cos.shape[0] in (1, x.shape[0]) and tuple(cos.shape[1:]) == tuple(x.shape[2:]))
+
+
+def rms_norm_rope_applies(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `RMSNormRopeFunction` takes x [B, S, heads, d] (contiguous) with cos/sin [B or 1, S, d]."""
+    return (x.dim() == 4 and x.is_contiguous() and rms_norm_applies(x, weight)
+            and rope_applies(x.transpose(1, 2), cos, sin))

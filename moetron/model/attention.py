@@ -13,7 +13,7 @@ from moetron.ops import recompute
 from moetron.ops.attention_core import core_attention
 from moetron.ops.norm import RMSNorm
 from moetron.model.rope import yarn_softmax_scale
-from moetron.ops import apply_rope
+from moetron.ops import apply_rope, rms_norm_rope
 from moetron.ops.linear import project
 from moetron.parallel import context_parallel
 from moetron.parallel.state import Group
@@ -49,16 +49,23 @@ class GroupedQueryAttention(nn.Module):
         """q, k, v as [B,S,heads*head_dim] (the seam tensor parallel overrides: one gather for all three)."""
         return project(self.q_proj, x_BSH), project(self.k_proj, x_BSH), project(self.v_proj, x_BSH)
 
+    @staticmethod
+    def _norm_rope(norm: RMSNorm, x_BSNd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The q/k norm then RoPE, [B, heads, S, d]: one op each way under train.fusion=cpp. A norm with
+        hooks (or one that is not moetron's RMSNorm) runs as a module call."""
+        if type(norm) is RMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks):
+            return rms_norm_rope(x_BSNd, norm.weight, norm.eps, cos, sin)
+        return apply_rope(norm(x_BSNd).transpose(1, 2), cos, sin)
+
     def forward(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # Shapes come from the projections, not x or the config: under tensor/sequence parallel
         # they hold this rank's heads over the whole (gathered) sequence.
         q, k, v = self.project_qkv(x_BSH)
         B, S = q.shape[:2]
-        q = self.q_norm(q.view(B, S, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(k.view(B, S, -1, self.head_dim)).transpose(1, 2)
-        v = v.view(B, S, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = self._norm_rope(self.q_norm, q.view(B, S, -1, self.head_dim), cos, sin)
+        k = self._norm_rope(self.k_norm, k.view(B, S, -1, self.head_dim), cos, sin)
+        v = v.view(B, S, -1, self.head_dim).transpose(1, 2)
         if self.cp_group is not None and self.cp_group.size > 1:
             fn, extra = context_parallel.gqa_attention, (self.cp_group, self.cp_comm)
         else:
@@ -112,6 +119,14 @@ class MultiLatentAttention(nn.Module):
         """The normed kv latent [B,S,kv_lora_rank] and the shared rotary key [B,S,rope_dim]."""
         latent, k_rot = project(self.kv_a_proj_with_mqa, x_BSH).split([self.cfg.kv_lora_rank, self.rope_dim], dim=-1)
         return self.kv_a_layernorm(latent), k_rot
+
+    @staticmethod
+    def _norm_rope(norm: RMSNorm, x_BSNd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The q/k norm then RoPE, [B, heads, S, d]: one op each way under train.fusion=cpp. A norm with
+        hooks (or one that is not moetron's RMSNorm) runs as a module call."""
+        if type(norm) is RMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks):
+            return rms_norm_rope(x_BSNd, norm.weight, norm.eps, cos, sin)
+        return apply_rope(norm(x_BSNd).transpose(1, 2), cos, sin)
 
     def forward(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # Shapes come from the projections, not x or the config: under tensor/sequence parallel

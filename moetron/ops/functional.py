@@ -206,6 +206,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return _rope_eager(x, cos, sin, interleaved)
 
 
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """RoPE (halves layout) of the RMSNorm of x [B, S, heads, d], as [B, heads, S, d]: Qwen3's q/k norms.
+    Under `cpp` one C++ op each way (the same bits as the two apart), else `rms_norm` then `apply_rope`."""
+    if (_mode == "cpp" and not (cos.requires_grad or sin.requires_grad)
+            and norm_rope_cpu.rms_norm_rope_applies(x, weight, cos, sin)):
+        return norm_rope_cpu.RMSNormRopeFunction.apply(x, weight, eps, cos, sin)
+    return apply_rope(rms_norm(x, weight, eps).transpose(1, 2), cos, sin)
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Summed token cross-entropy in fp32 (divide by the token count you want)."""
     return _dispatch("cross_entropy", _cross_entropy_ref)(logits, labels, ignore_index)
