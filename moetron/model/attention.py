@@ -120,14 +120,6 @@ class MultiLatentAttention(nn.Module):
         latent, k_rot = project(self.kv_a_proj_with_mqa, x_BSH).split([self.cfg.kv_lora_rank, self.rope_dim], dim=-1)
         return self.kv_a_layernorm(latent), k_rot
 
-    @staticmethod
-    def _norm_rope(norm: RMSNorm, x_BSNd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The q/k norm then RoPE, [B, heads, S, d]: one op each way under train.fusion=cpp. A norm with
-        hooks (or one that is not moetron's RMSNorm) runs as a module call."""
-        if type(norm) is RMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks):
-            return rms_norm_rope(x_BSNd, norm.weight, norm.eps, cos, sin)
-        return apply_rope(norm(x_BSNd).transpose(1, 2), cos, sin)
-
     def forward(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # Shapes come from the projections, not x or the config: under tensor/sequence parallel
         # they hold this rank's heads over the whole (gathered) sequence.
