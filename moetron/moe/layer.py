@@ -82,7 +82,6 @@ class MoELayer(nn.Module):
                              persistent=False)
         self.last_losses: dict[str, torch.Tensor] = {}
         self.last_tokens_per_expert: torch.Tensor | None = None
-        self.last_dropped_fraction: torch.Tensor | None = None
         self.last_num_slots = 0
         # Kept slots per expert and routed slots of every forward since reset_load_totals():
         # a training step's load over all its micro-batches (the trainer resets it each step).
@@ -154,14 +153,12 @@ class MoELayer(nn.Module):
             return routing
         self.last_losses = losses.values
         self.last_tokens_per_expert = routing.tokens_per_expert.detach()
-        self.last_num_slots = routing.num_tokens * routing.top_k
-        total = max(self.last_num_slots, 1)
-        self.last_dropped_fraction = 1.0 - routing.tokens_per_expert.sum().float() / total
+        self.last_num_slots = routing.num_tokens * routing.top_k  # stats() derives the dropped fraction
         counts = self.last_tokens_per_expert
         self._load_counts = counts.clone() if self._load_counts is None else self._load_counts + counts
         self._load_slots += self.last_num_slots
         if self.training:
-            self.pending_counts += selected_counts.float()
+            self.pending_counts.add_(selected_counts)  # exact: integer counts into fp32
         return routing
 
     def dispatch(self, x_TH: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -274,7 +271,7 @@ class MoELayer(nn.Module):
             counts, slots = both[:-1], both[-1].item()
             dropped = 1.0 - counts.sum().item() / max(slots, 1.0)
         else:
-            dropped = float(self.last_dropped_fraction)
+            dropped = 1.0 - counts.sum().item() / max(self.last_num_slots, 1)
         mean = counts.mean().item()
         return {"max_load": counts.max().item(), "mean_load": mean,
                 "max_over_mean": counts.max().item() / mean if mean else 0.0,
