@@ -50,5 +50,6 @@ class TopKSoftmax(torch.autograd.Function):
 
 
 def applies(logits: torch.Tensor) -> bool:
-    """Whether the kernel takes these logits (fp32 on a CPU, [T, E])."""
-    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+    """Whether the kernel takes these logits (contiguous fp32 [T, E] on a CPU)."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.is_contiguous())
