@@ -349,11 +349,16 @@ std::tuple<Tensor, Tensor> rms_rope_forward(const Tensor& x, const Tensor& w, do
     scalar_t* sp = rstd.data_ptr<scalar_t>();
     at::parallel_for(0, R, grain_rows(D), [&](int64_t b0, int64_t e) {
       std::vector<scalar_t> normed(D);
+      // (b, t, head) of row `b0`, then stepped row by row: no division per row
+      int64_t b = b0 / (S * N), t = (b0 / N) % S, n = b0 % N;
       for (int64_t r = b0; r < e; ++r) {
-        const int64_t b = r / (S * N), t = (r / N) % S;
         sp[r] = rms_forward_row<scalar_t>(xp + r * D, wp, normed.data(), D, eps);
         const int64_t cs = ((per_batch ? b : 0) * S + t) * D;
         rope_row(normed.data(), cp + cs, snp + cs, yp + r * D, D / 2, false);
+        if (++n == N) {
+          n = 0;
+          if (++t == S) t = 0, ++b;
+        }
       }
     });
   });
