@@ -6,6 +6,7 @@
     python benchmarks/step_ab.py --compare permute          # the MoE permute in torch ops, or the C++ kernel
     python benchmarks/step_ab.py --compare router           # the softmax top-k router in torch ops, or in C++
     python benchmarks/step_ab.py --compare norm_rope        # Qwen3's q/k norm and RoPE as two C++ ops, or one
+    python benchmarks/step_ab.py --compare stacked_projections  # q/k/v (gate/up) as one GEMM each way, or three
     python benchmarks/step_ab.py --recipe deepseek-v3-tiny --set train.grad_accum=2 --steps 300 --runs 3
 
 On the shared 2-core development VM the same command's step medians move 10-15 % between runs, more
@@ -73,6 +74,13 @@ def _settings(name: str):
         def fused(on):
             TopKRouter._fused = real_fused if on else (lambda self, logits: False)
         return [("eager router", lambda: fused(False)), ("C++ router", lambda: fused(True))]
+    if name == "stacked_projections":
+        from moetron.ops import linear
+        real_stackable = linear._stackable
+
+        def stacked(on):
+            linear._stackable = real_stackable if on else (lambda layers, x: None)
+        return [("q, k, v as three GEMMs", lambda: stacked(False)), ("q, k, v as one GEMM", lambda: stacked(True))]
     if name == "permute":
         from moetron.dispatch import permute
         return [("torch permute", lambda: permute.set_permute_impl("torch")),
@@ -82,7 +90,8 @@ def _settings(name: str):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--compare", required=True, choices=("weight_grads", "helper", "attention_split", "permute", "router", "norm_rope"))
+    p.add_argument("--compare", required=True, choices=("weight_grads", "helper", "attention_split", "permute", "router", "norm_rope",
+                                                       "stacked_projections"))
     p.add_argument("--recipe", default="qwen3-moe-tiny")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
     p.add_argument("--steps", type=int, default=200, help="steps per run, the settings alternating")

@@ -45,12 +45,14 @@ class _Pass:
             error = error or task.error
         if error is not None:
             raise error
-        for key, grad in self.sums.items():
+        for key in self.sums:  # every check before any write: stacked weights' grads share a version counter
             weight = self.weights[key]
             if _grad_state(weight) != self.grads_before[key]:
                 raise RuntimeError(f"a weight of shape {tuple(weight.shape)} got gradients both through autograd and "
                                    "beside it (weight_grads_beside): pass moetron.ops.linear only weights that "
                                    "nothing else in the step differentiates")
+        for key, grad in self.sums.items():
+            weight = self.weights[key]
             if weight.grad is None:
                 weight.grad = grad
             else:
@@ -92,15 +94,29 @@ def weight_grads_active() -> bool:
 def defer_weight_grad(weight: torch.Tensor | None, compute: Callable[[], torch.Tensor]) -> bool:
     """Queue `compute()`, the gradient of the parameter `weight`, on the helper thread, if inside
     `weight_grads_beside` and `weight` has no hooks; False (nothing done) otherwise."""
+    return defer_weight_grads((weight,), compute)
+
+
+def defer_weight_grads(weights, compute: Callable[[], torch.Tensor]) -> bool:
+    """`defer_weight_grad` for several parameters whose gradients `compute()` returns stacked along
+    dim 0 (one GEMM for the projections of one input, ops/linear.py): all are queued, or none."""
     state = _pass
-    if not weight_grads_active() or weight is None or not weight.is_leaf or _has_hooks(weight):
+    if not weight_grads_active() or any(w is None or not w.is_leaf or _has_hooks(w) for w in weights):
         return False
-    if not _accumulates(weight):  # e.g. torch.autograd.grad(..., inputs=x): the weight's gradient is dropped
+    if not all(_accumulates(w) for w in weights):  # e.g. torch.autograd.grad(..., inputs=x): dropped
         return False
-    key = id(weight)
-    if key not in state.weights:
-        state.weights[key], state.grads_before[key] = weight, _grad_state(weight)
-    task = _Task(lambda: state.add(key, compute()))
+    keys = [id(w) for w in weights]
+    for key, weight in zip(keys, weights):
+        if key not in state.weights:
+            state.weights[key], state.grads_before[key] = weight, _grad_state(weight)
+    sizes = [w.shape[0] for w in weights]
+
+    def run():
+        grad = compute()
+        for key, part in zip(keys, grad.split(sizes) if len(keys) > 1 else (grad,)):
+            state.add(key, part)
+
+    task = _Task(run)
     state.tasks.append(task)
     _helper.submit(task, urgent=False)
     return True

@@ -14,7 +14,7 @@ from moetron.ops.attention_core import core_attention
 from moetron.ops.norm import RMSNorm
 from moetron.model.rope import yarn_softmax_scale
 from moetron.ops import apply_rope, rms_norm_rope
-from moetron.ops.linear import project
+from moetron.ops.linear import project, project_many
 from moetron.parallel import context_parallel
 from moetron.parallel.state import Group
 
@@ -47,7 +47,7 @@ class GroupedQueryAttention(nn.Module):
 
     def project_qkv(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as [B,S,heads*head_dim] (the seam tensor parallel overrides: one gather for all three)."""
-        return project(self.q_proj, x_BSH), project(self.k_proj, x_BSH), project(self.v_proj, x_BSH)
+        return project_many([self.q_proj, self.k_proj, self.v_proj], x_BSH)
 
     @staticmethod
     def _norm_rope(norm: RMSNorm, x_BSNd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""`linear(x, weight)`: `F.linear` whose weight gradient may run beside the backward pass.
+"""`linear(x, weight)`: `F.linear` whose weight gradient may run beside the backward pass;
+`project_many`: several projections of one input as one GEMM each way.
 
 Inside `weight_grads_beside` (the trainer of a small one-process model, kernels/threads.py) the weight
 gradient's GEMM goes to the helper thread while the backward pass goes on with the input gradient;
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from moetron.kernels.weight_grads import defer_weight_grad, weight_grads_active
+from moetron.kernels.weight_grads import defer_weight_grad, defer_weight_grads, weight_grads_active
 
 
 _PLAIN = (torch.Tensor, nn.Parameter)  # tensor subclasses (DTensor, FP8) keep F.linear's own dispatch
@@ -39,6 +40,37 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w
 
 
+class _ConcatLinear(torch.autograd.Function):
+    """F.linear(x, w_i) for each w_i, computed as one GEMM on the weights stacked by rows: the input
+    gradient is one GEMM too, and the weight gradients one GEMM whose row blocks are theirs."""
+
+    @staticmethod
+    def forward(ctx, x, *weights):
+        ctx.save_for_backward(x, *weights)  # the weights are parameters: only x is an activation
+        y = F.linear(x, torch.cat(weights))
+        return tuple(part.contiguous() for part in y.split([w.shape[0] for w in weights], dim=-1))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        grad = torch.cat(grads, dim=-1)
+        grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        grad_x = grad_2d.mm(torch.cat(weights)).view(x.shape) if ctx.needs_input_grad[0] else None
+        grad_ws = [None] * len(weights)
+        if all(ctx.needs_input_grad[1:]) and not defer_weight_grads(weights, lambda: grad_2d.t().mm(x_2d)):
+            grad_ws = list(grad_2d.t().mm(x_2d).split([w.shape[0] for w in weights]))
+        elif not all(ctx.needs_input_grad[1:]):
+            grad_ws = [grad_2d[:, a:b].t().mm(x_2d) if need else None for need, (a, b)
+                       in zip(ctx.needs_input_grad[1:], _bounds(weights))]
+        return (grad_x, *grad_ws)
+
+
+def _bounds(weights) -> list[tuple[int, int]]:
+    ends = torch.tensor([w.shape[0] for w in weights]).cumsum(0).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, weight)` (no bias); see the module docstring."""
     if (weight_grads_active() and type(weight) in _PLAIN and weight.is_leaf and weight.requires_grad  # no DTensor
@@ -51,6 +83,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`layer(x)`, a plain bias-free `nn.Linear` through `linear` (FP8 and tensor-parallel layers,
     biases and hooks keep their own forward)."""
-    if type(layer) is nn.Linear and layer.bias is None and not (layer._forward_hooks or layer._forward_pre_hooks):
+    if _plain(layer):
         return linear(x, layer.weight)
     return layer(x)
+
+
+def _plain(layer: nn.Module) -> bool:
+    return type(layer) is nn.Linear and layer.bias is None and not (layer._forward_hooks or layer._forward_pre_hooks)
+
+
+def project_many(layers: list[nn.Module], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`project(layer, x)` for each layer. On a CPU, plain bias-free layers with plain weights of one
+    dtype run as one GEMM each way (q/k/v: fewer, larger GEMMs and a third of the ops); otherwise one
+    `project` each. The stacked GEMM sums each output over the same inputs, in an order MKL may block
+    differently from the separate ones: ulp-level differences, no others (tested)."""
+    weights = _stackable(layers, x)
+    if weights is not None:
+        return _ConcatLinear.apply(x, *weights)
+    return tuple(project(layer, x) for layer in layers)
+
+
+def _stackable(layers: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor] | None:
+    """The weights `project_many` stacks: plain layers' plain weights of x's dtype, on a CPU."""
+    weights = [layer.weight for layer in layers if _plain(layer)]
+    if (len(weights) == len(layers) > 1 and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")
+            and all(type(w) in _PLAIN and w.device == x.device and w.dtype == x.dtype for w in weights)
+            and len({w.requires_grad for w in weights}) == 1):
+        return weights
+    return None

@@ -7,7 +7,7 @@ from torch import nn
 
 from moetron.ops import recompute
 from moetron.ops import swiglu
-from moetron.ops.linear import project
+from moetron.ops.linear import project, project_many
 
 
 class MLP(nn.Module):
@@ -34,4 +34,4 @@ class MLP(nn.Module):
         return super().__call__(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(self.down_proj, swiglu(project(self.gate_proj, x), project(self.up_proj, x)))
+        return project(self.down_proj, swiglu(*project_many([self.gate_proj, self.up_proj], x)))
