@@ -13,7 +13,7 @@
 // (fp64 for fp64 inputs), rounded once to the output dtype. exp is a Cephes-style polynomial
 // written so that the compiler vectorises the row loop (glibc's vector expf needs -ffast-math);
 // it is within 2 ulp of expf, so results differ from torch's eager ops by a few ulp (the bound is
-// stated and tested in tests/test_fused_swiglu.py), not bit for bit.
+// stated and tested in tests/test_fused_swiglu.py), not bit for bit. exp_poly is in exp_poly.h.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -32,32 +32,14 @@
 // and vectorise the row loops; no result changes (moetron never enables FP traps).
 #pragma GCC optimize("no-trapping-math")
 
+#include "exp_poly.h"  // after the pragma: its loops take the same options
+
 namespace {
 
 using at::Tensor;
 
 
-__attribute__((always_inline)) inline float exp_poly(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // no std::min: it would not inline into the clones
-  const float fx = x * 1.44269504088896341f;
-  const int32_t n = static_cast<int32_t>(fx + (fx >= 0.0f ? 0.5f : -0.5f));  // round to nearest
-  const float fn = static_cast<float>(n);
-  float r = x - fn * 0.693359375f;
-  r = r - fn * -2.12194440e-4f;
-  const float z = r * r;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * z + r + 1.0f;
-  const int32_t bits = (n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
+using moetron::exp_poly;
 inline double exp_poly(double x) { return std::exp(x); }
 
 template <typename scalar_t>

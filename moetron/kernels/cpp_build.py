@@ -1,5 +1,6 @@
 """Build and load moetron's CPU kernels (`moetron/csrc/permute_cpu.cpp`, `swiglu_cpu.cpp`,
-`grouped_gemm_cpu.cpp`, `rmsnorm_rope_cpu.cpp`, `router_cpu.cpp`: one library)
+`grouped_gemm_cpu.cpp`, `rmsnorm_rope_cpu.cpp`, `router_cpu.cpp`, `causal_attention_cpu.cpp`: one
+library)
 on first use, once per machine.
 
 `torch.utils.cpp_extension.load` compiles the file with ninja into
@@ -41,6 +42,8 @@ SWIGLU_SOURCE = SOURCE.with_name("swiglu_cpu.cpp")  # built with SOURCE: one lib
 GEMM_SOURCE = SOURCE.with_name("grouped_gemm_cpu.cpp")  # likewise
 NORM_SOURCE = SOURCE.with_name("rmsnorm_rope_cpu.cpp")  # likewise
 ROUTER_SOURCE = SOURCE.with_name("router_cpu.cpp")  # likewise
+ATTENTION_SOURCE = SOURCE.with_name("causal_attention_cpu.cpp")  # likewise
+HEADERS = (SOURCE.with_name("exp_poly.h"),)  # included by the sources: part of the build's inputs
 # -ffp-contract=off: no FMA contraction, the fused numerics equal the torch reference bit for bit.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
@@ -65,14 +68,14 @@ def _missing_tool() -> str | None:
         return "torch.utils.cpp_extension is unavailable"
     if not is_ninja_available():
         return "ninja is not installed (pip install ninja)"
-    for source in _sources():
+    for source in _sources() + HEADERS:
         if not source.is_file():
             return f"source {source} not found (moetron installed without csrc/)"
     return None
 
 
 def _sources() -> tuple[Path, ...]:
-    return SOURCE, SWIGLU_SOURCE, GEMM_SOURCE, NORM_SOURCE, ROUTER_SOURCE
+    return SOURCE, SWIGLU_SOURCE, GEMM_SOURCE, NORM_SOURCE, ROUTER_SOURCE, ATTENTION_SOURCE
 
 
 def build_directory(name: str = EXTENSION_NAME) -> Path:
@@ -160,7 +163,7 @@ def load_permute_ops(verbose: bool = False):
 def _inputs_hash() -> str | None:
     """A digest of everything the library is built from, or None when a source is missing."""
     digest = hashlib.sha256(repr((EXTENSION_NAME, CFLAGS, LDFLAGS, torch.__version__, sys.version)).encode())
-    for source in _sources():
+    for source in _sources() + HEADERS:
         try:
             digest.update(source.read_bytes())
         except OSError:
@@ -252,3 +255,9 @@ def load_grouped_gemm_ops(verbose: bool = False):
     load_permute_ops(verbose)
     return torch.ops.moetron_gemm
 
+
+
+def load_attention_ops(verbose: bool = False):
+    """The CPU causal attention of the same library (`torch.ops.moetron_attention`); see `load_permute_ops`."""
+    load_permute_ops(verbose)
+    return torch.ops.moetron_attention

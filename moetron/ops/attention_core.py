@@ -1,6 +1,7 @@
 """The attention core behind one seam: softmax(q k^T * scale + causal) v.
 
-Backends: `sdpa` (torch's scaled_dot_product_attention; flash kernels on GPU),
+Backends: `sdpa` (torch's scaled_dot_product_attention; flash kernels on GPU; on a CPU under
+`train.fusion=cpp`, moetron's C++ kernel for head dims 16/32/64, kernels/attention_cpu.py),
 `eager` (explicit matmuls, the readable reference), `flash_attn` and `te`
 (Transformer Engine), the last two GPU-only and used only when asked for.
 Shapes: q [B,h,Sq,dqk], k [B,h_kv,Sk,dqk], v [B,h_kv,Sk,dv]; dv may differ from dqk
@@ -18,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from moetron import backends
-from moetron.kernels import sdpa_cpu
+from moetron.kernels import attention_cpu, sdpa_cpu
+from moetron.ops.functional import fusion_mode
 
 
 def _expand_kv(t: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -95,6 +97,8 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         return _te(q, k, v, scale)
     if backend == "eager":
         return _eager(q, _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1]), scale)
+    if Sq == Sk and fusion_mode() == "cpp" and attention_cpu.applies(q, k, v):
+        return attention_cpu.CausalAttention.apply(q, k, v, scale)  # small heads: moetron's C++ kernel
     # On the CPU, SDPA reads each kv head for its group of query heads itself (enable_gqa): no
     # repeated copies of k and v nor their backward sums, the same output bit for bit.
     gqa = q.device.type == "cpu" and k.shape[1] != q.shape[1]

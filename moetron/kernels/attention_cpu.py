@@ -1,0 +1,77 @@
+"""Causal attention for small heads as one C++ pass each way (fp32 CPU, head dim 16, 32 or 64).
+
+torch's CPU flash kernel tiles for large heads: a GEMM call per block of queries and a softmax pass
+over a scores buffer. At a small model's shapes (default recipe: head dim 16, 128 positions) those
+calls cost more than the arithmetic; `moetron/csrc/causal_attention_cpu.cpp` keeps a kv head's keys
+in L1 and feeds four query rows from each key load. GQA is native (each kv head's query heads in
+turn, no repeated k/v). With a helper thread (kernels/threads.py) the batch runs in two halves side
+by side; each (sequence, kv head) is computed on its own, so the halves give the bits of one call.
+Sums run in another order than torch's kernel: within a few ulp of it (tests/test_causal_attention.py).
+`ops.attention_core` routes here under `set_fusion("cpp")` (the trainer's CPU default).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from moetron.kernels import cpp_build
+from moetron.kernels.threads import helper_threads, run_beside
+
+HEAD_DIMS = (16, 32, 64)  # compiled in; other head dims keep torch's SDPA
+
+
+def ops():
+    """`torch.ops.moetron_attention`, building the C++ library on first use (raises `CppBuildError`)."""
+    return cpp_build.load_attention_ops()
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """q [B, h, S, d], k and v [B, h_kv, S, d] (as many keys as queries, h a multiple of h_kv), fp32 CPU
+    outside autocast, d in HEAD_DIMS, each with a unit stride on d."""
+    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu") and q.dim() == k.dim() == v.dim() == 4
+            and q.shape[0] == k.shape[0] == v.shape[0] and q.shape[2] == k.shape[2] == v.shape[2]
+            and q.shape[3] == k.shape[3] == v.shape[3] and q.shape[3] in HEAD_DIMS
+            and k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
+
+
+def _by_halves(fn, batch: int) -> None:
+    """fn(batch slice) over the whole batch: two halves side by side when a helper thread is set."""
+    if helper_threads() > 0 and batch >= 2:
+        run_beside(lambda: fn(slice(0, batch // 2)), lambda: fn(slice(batch // 2, None)))
+    else:
+        fn(slice(None))
+
+
+def _bshd(B: int, S: int, heads: int, d: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty [B, heads, S, d] tensor laid out as [B, S, heads, d] (what o_proj reads without a copy)."""
+    return like.new_empty(B, S, heads, d).transpose(1, 2)
+
+
+class CausalAttention(torch.autograd.Function):
+    """softmax(q k^T * scale + causal mask) v -> [B, h, S, d]; saves q, k, v, the output and the
+    log-sum-exp per row for the backward (which recomputes the probabilities)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        B, H, S, D = q.shape
+        out, lse = _bshd(B, S, H, D, q), q.new_empty(B, H, S)
+        kernel = ops().causal_forward
+        _by_halves(lambda s: kernel(q[s], k[s], v[s], scale, out[s], lse[s]), B)
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad.stride(-1) != 1:
+            grad = grad.contiguous()
+        B, H, S, D = q.shape
+        dq, dk, dv = _bshd(B, S, H, D, q), _bshd(B, S, k.shape[1], D, k), _bshd(B, S, k.shape[1], D, k)
+        kernel = ops().causal_backward
+        _by_halves(lambda s: kernel(grad[s], q[s], k[s], v[s], out[s], lse[s], ctx.scale, dq[s], dk[s], dv[s]), B)
+        return dq, dk, dv, None
