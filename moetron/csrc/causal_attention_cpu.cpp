@@ -33,25 +33,15 @@
 // lets it fuse multiply-adds (this kernel promises a bound against the reference, not its bits).
 #pragma GCC optimize("no-trapping-math", "fp-contract=fast")
 
-#include "exp_poly.h"  // after the pragma: its loops take the same options
+#include "simd_math.h"  // after the pragma: its loops take the same options
 
 namespace {
 
 using at::Tensor;
 constexpr int kRows = 4;  // query rows per block: each key row loaded once feeds this many
 
-// The loops are compiled twice: for AVX2 with FMA (picked at run time where the CPU has both) and for
-// the default target. GCC's target_clones cannot ask for two features in one clone.
-#if defined(__GNUC__) && defined(__x86_64__)
-#define MOETRON_FMA_TARGET __attribute__((target("avx2,fma")))
-inline bool has_avx2_fma() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
-#else
-#define MOETRON_FMA_TARGET
-inline bool has_avx2_fma() { return false; }
-#endif
+using moetron::exp_poly;
+using moetron::has_avx2_fma;  // the loops are compiled for AVX2+FMA and for the default target
 
 // A [B, heads, S, d] tensor's element (b, h, i, 0), the last dim contiguous.
 struct View {
@@ -149,7 +139,7 @@ __attribute__((always_inline)) inline void forward_group(const View& q, const Vi
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j <= last; ++j) {
-          sr[j] = moetron::exp_poly(sr[j] - m);
+          sr[j] = exp_poly(sr[j] - m);
           sum += sr[j];
         }
         for (int64_t j = last + 1; j < J8; ++j) sr[j] = 0.0f;
@@ -201,7 +191,7 @@ __attribute__((always_inline)) inline void backward_group(const View& g, const V
         const int64_t last = i0 + r;
 #pragma omp simd
         for (int64_t j = 0; j <= last; ++j) {
-          sr[j] = moetron::exp_poly(sr[j] - l);
+          sr[j] = exp_poly(sr[j] - l);
           dr[j] = sr[j] * (dr[j] - Di);
         }
         for (int64_t j = last + 1; j < J8; ++j) sr[j] = dr[j] = 0.0f;

@@ -13,7 +13,7 @@
 // (fp64 for fp64 inputs), rounded once to the output dtype. exp is a Cephes-style polynomial
 // written so that the compiler vectorises the row loop (glibc's vector expf needs -ffast-math);
 // it is within 2 ulp of expf, so results differ from torch's eager ops by a few ulp (the bound is
-// stated and tested in tests/test_fused_swiglu.py), not bit for bit. exp_poly is in exp_poly.h.
+// stated and tested in tests/test_fused_swiglu.py), not bit for bit. exp_poly is in simd_math.h.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -29,10 +29,11 @@
 #include <tuple>
 
 // Without trapping math the compiler may if-convert the clamp and the float->int rounding in exp_poly
-// and vectorise the row loops; no result changes (moetron never enables FP traps).
-#pragma GCC optimize("no-trapping-math")
+// and vectorise the row loops; no result changes (moetron never enables FP traps). fp-contract lets it
+// fuse multiply-adds: exp_poly's polynomial is a chain of them, whose latency bounds the loops.
+#pragma GCC optimize("no-trapping-math", "fp-contract=fast")
 
-#include "exp_poly.h"  // after the pragma: its loops take the same options
+#include "simd_math.h"  // after the pragma: its loops take the same options
 
 namespace {
 
@@ -60,8 +61,8 @@ void check_args(const Tensor& gate_up, const Tensor& probs, const char* where) {
 int64_t grain_rows(int64_t F) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(F, 1)); }
 
 // The row loops, templated on the element type. For fp32 (the CPU training dtype) they are also
-// compiled for AVX2 and picked at load time (GCC's target_clones), since the default x86-64 target
-// vectorises only 4 lanes wide.
+// compiled for AVX2 with FMA and picked at run time (simd_math.h), since the default x86-64 target
+// vectorises only 4 lanes wide and without fused multiply-adds.
 template <typename scalar_t>
 __attribute__((always_inline)) inline void forward_rows(const scalar_t* in, const float* w, scalar_t* o, int64_t begin, int64_t end, int64_t F) {
   using acc_t = acc_of<scalar_t>;
@@ -106,19 +107,22 @@ __attribute__((always_inline)) inline void backward_rows(const scalar_t* gr, con
   }
 }
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define MOETRON_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define MOETRON_CLONES
-#endif
-
-MOETRON_CLONES void forward_rows_f32(const float* in, const float* w, float* o, int64_t begin, int64_t end,
-                                     int64_t F) {
+MOETRON_FMA_TARGET void forward_rows_fma(const float* in, const float* w, float* o, int64_t begin, int64_t end,
+                                         int64_t F) {
+  forward_rows<float>(in, w, o, begin, end, F);
+}
+void forward_rows_f32(const float* in, const float* w, float* o, int64_t begin, int64_t end, int64_t F) {
+  if (moetron::has_avx2_fma()) return forward_rows_fma(in, w, o, begin, end, F);
   forward_rows<float>(in, w, o, begin, end, F);
 }
 
-MOETRON_CLONES void backward_rows_f32(const float* gr, const float* in, const float* w, float* d, float* dw,
-                                      int64_t begin, int64_t end, int64_t F) {
+MOETRON_FMA_TARGET void backward_rows_fma(const float* gr, const float* in, const float* w, float* d, float* dw,
+                                          int64_t begin, int64_t end, int64_t F) {
+  backward_rows<float>(gr, in, w, d, dw, begin, end, F);
+}
+void backward_rows_f32(const float* gr, const float* in, const float* w, float* d, float* dw, int64_t begin,
+                       int64_t end, int64_t F) {
+  if (moetron::has_avx2_fma()) return backward_rows_fma(gr, in, w, d, dw, begin, end, F);
   backward_rows<float>(gr, in, w, d, dw, begin, end, F);
 }
 

@@ -43,7 +43,7 @@ GEMM_SOURCE = SOURCE.with_name("grouped_gemm_cpu.cpp")  # likewise
 NORM_SOURCE = SOURCE.with_name("rmsnorm_rope_cpu.cpp")  # likewise
 ROUTER_SOURCE = SOURCE.with_name("router_cpu.cpp")  # likewise
 ATTENTION_SOURCE = SOURCE.with_name("causal_attention_cpu.cpp")  # likewise
-HEADERS = (SOURCE.with_name("exp_poly.h"),)  # included by the sources: part of the build's inputs
+HEADERS = (SOURCE.with_name("simd_math.h"),)  # included by the sources: part of the build's inputs
 # -ffp-contract=off: no FMA contraction, the fused numerics equal the torch reference bit for bit.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]

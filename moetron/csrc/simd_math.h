@@ -1,5 +1,8 @@
-// exp for float in a form the compiler vectorises (glibc's vector expf needs -ffast-math): a
-// Cephes-style polynomial, within 2 ulp of expf. Shared by the SwiGLU and attention kernels.
+// Shared by the SwiGLU and attention kernels: exp for float in a form the compiler vectorises
+// (glibc's vector expf needs -ffast-math), a Cephes-style polynomial within 2 ulp of expf; and the
+// AVX2+FMA target their loops are compiled for besides the default one. GCC's target_clones cannot
+// ask for two features in one clone (and "arch=haswell" is never picked on AMD), so the callers pick
+// with has_avx2_fma() at run time.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +31,17 @@ __attribute__((always_inline)) inline float exp_poly(float x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define MOETRON_FMA_TARGET __attribute__((target("avx2,fma")))
+inline bool has_avx2_fma() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+#else
+#define MOETRON_FMA_TARGET
+inline bool has_avx2_fma() { return false; }
+#endif
 
 }  // namespace
 }  // namespace moetron
