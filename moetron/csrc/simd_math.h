@@ -2,10 +2,12 @@
 // (glibc's vector expf needs -ffast-math), a Cephes-style polynomial within 2 ulp of expf; and the
 // AVX2+FMA target their loops are compiled for besides the default one. GCC's target_clones cannot
 // ask for two features in one clone (and "arch=haswell" is never picked on AMD), so the callers pick
-// with has_avx2_fma() at run time.
+// with has_avx2_fma() at run time; MOETRON_NO_FMA=1 in the environment picks the default loops (tests
+// check them on a CPU that has FMA: tests/test_cpp_simd_fallback.py).
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace moetron {
@@ -34,10 +36,15 @@ __attribute__((always_inline)) inline float exp_poly(float x) {
   return p * scale;
 }
 
+inline bool no_fma_requested() {
+  const char* v = std::getenv("MOETRON_NO_FMA");
+  return v != nullptr && v[0] != '\0' && !(v[0] == '0' && v[1] == '\0');
+}
+
 #if defined(__GNUC__) && defined(__x86_64__)
 #define MOETRON_FMA_TARGET __attribute__((target("avx2,fma")))
 inline bool has_avx2_fma() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !no_fma_requested();
   return ok;
 }
 #else
