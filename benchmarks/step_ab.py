@@ -8,7 +8,6 @@
     python benchmarks/step_ab.py --compare norm_rope        # Qwen3's q/k norm and RoPE as two C++ ops, or one
     python benchmarks/step_ab.py --compare stacked_projections  # q/k/v (gate/up) as one GEMM each way, or three
     python benchmarks/step_ab.py --compare attention_kernel  # torch's flash attention, or moetron's C++ kernel
-    python benchmarks/step_ab.py --compare cross_entropy    # torch's cross-entropy, or moetron's C++ one
     python benchmarks/step_ab.py --recipe deepseek-v3-tiny --set train.grad_accum=2 --steps 300 --runs 3
 
 On the shared 2-core development VM the same command's step medians move 10-15 % between runs, more
@@ -83,13 +82,6 @@ def _settings(name: str):
         def kernel(on):
             attention_cpu.applies = real_applies if on else (lambda *args: False)
         return [("torch's flash kernel", lambda: kernel(False)), ("moetron's C++ attention", lambda: kernel(True))]
-    if name == "cross_entropy":
-        from moetron.kernels import cross_entropy_cpu
-        real_ce = cross_entropy_cpu.applies
-
-        def fused(on):
-            cross_entropy_cpu.applies = real_ce if on else (lambda *args: False)
-        return [("torch's cross-entropy", lambda: fused(False)), ("moetron's C++ cross-entropy", lambda: fused(True))]
     if name == "stacked_projections":
         from moetron.ops import linear
         real_stackable = linear._stackable
@@ -107,8 +99,7 @@ def _settings(name: str):
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--compare", required=True, choices=("weight_grads", "helper", "attention_split", "permute", "router", "norm_rope",
-                                                       "stacked_projections", "attention_kernel",
-                                                       "cross_entropy"))
+                                                       "stacked_projections", "attention_kernel"))
     p.add_argument("--recipe", default="qwen3-moe-tiny")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
     p.add_argument("--steps", type=int, default=200, help="steps per run, the settings alternating")

@@ -1,4 +1,4 @@
-// Shared by the SwiGLU, attention and cross-entropy kernels: exp for float in a form the compiler vectorises
+// Shared by the SwiGLU and attention kernels: exp for float in a form the compiler vectorises
 // (glibc's vector expf needs -ffast-math), a Cephes-style polynomial within 2 ulp of expf; and the
 // AVX2+FMA target their loops are compiled for besides the default one. GCC's target_clones cannot
 // ask for two features in one clone (and "arch=haswell" is never picked on AMD), so the callers pick

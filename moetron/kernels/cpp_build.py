@@ -1,6 +1,6 @@
 """Build and load moetron's CPU kernels (`moetron/csrc/permute_cpu.cpp`, `swiglu_cpu.cpp`,
-`grouped_gemm_cpu.cpp`, `rmsnorm_rope_cpu.cpp`, `router_cpu.cpp`, `causal_attention_cpu.cpp`,
-`cross_entropy_cpu.cpp`: one library)
+`grouped_gemm_cpu.cpp`, `rmsnorm_rope_cpu.cpp`, `router_cpu.cpp`, `causal_attention_cpu.cpp`: one
+library; the SwiGLU and attention compile as one unit, `fma_kernels.cpp`)
 on first use, once per machine.
 
 `torch.utils.cpp_extension.load` compiles the file with ninja into
@@ -43,8 +43,9 @@ GEMM_SOURCE = SOURCE.with_name("grouped_gemm_cpu.cpp")  # likewise
 NORM_SOURCE = SOURCE.with_name("rmsnorm_rope_cpu.cpp")  # likewise
 ROUTER_SOURCE = SOURCE.with_name("router_cpu.cpp")  # likewise
 ATTENTION_SOURCE = SOURCE.with_name("causal_attention_cpu.cpp")  # likewise
-LOSS_SOURCE = SOURCE.with_name("cross_entropy_cpu.cpp")  # likewise
-HEADERS = (SOURCE.with_name("simd_math.h"),)  # included by the sources: part of the build's inputs
+FMA_UNIT = SOURCE.with_name("fma_kernels.cpp")  # compiles SWIGLU_SOURCE and ATTENTION_SOURCE as one unit
+# included by the compiled sources: part of the build's inputs
+HEADERS = (SOURCE.with_name("simd_math.h"), SWIGLU_SOURCE, ATTENTION_SOURCE)
 # -ffp-contract=off: no FMA contraction, the fused numerics equal the torch reference bit for bit.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
@@ -76,7 +77,7 @@ def _missing_tool() -> str | None:
 
 
 def _sources() -> tuple[Path, ...]:
-    return SOURCE, SWIGLU_SOURCE, GEMM_SOURCE, NORM_SOURCE, ROUTER_SOURCE, ATTENTION_SOURCE, LOSS_SOURCE
+    return SOURCE, FMA_UNIT, GEMM_SOURCE, NORM_SOURCE, ROUTER_SOURCE
 
 
 def build_directory(name: str = EXTENSION_NAME) -> Path:
@@ -263,8 +264,3 @@ def load_attention_ops(verbose: bool = False):
     load_permute_ops(verbose)
     return torch.ops.moetron_attention
 
-
-def load_loss_ops(verbose: bool = False):
-    """The CPU cross-entropy of the same library (`torch.ops.moetron_loss`); see `load_permute_ops`."""
-    load_permute_ops(verbose)
-    return torch.ops.moetron_loss

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moetron.kernels import cpp_build, cross_entropy_cpu, fused_swiglu, norm_rope_cpu
+from moetron.kernels import cpp_build, fused_swiglu, norm_rope_cpu
 
 FUSION_MODES = ("none", "cpp", "compile")
 _mode = "none"
@@ -217,9 +217,5 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Summed token cross-entropy in fp32 (divide by the token count you want); under `cpp` one C++
-    op each way for fp32 CPU logits (kernels/cross_entropy_cpu.py)."""
-    if _mode == "cpp" and cross_entropy_cpu.applies(logits, labels):
-        return cross_entropy_cpu.CrossEntropyFunction.apply(logits.reshape(-1, logits.shape[-1]).contiguous(),
-                                                            labels.reshape(-1).contiguous(), ignore_index)
+    """Summed token cross-entropy in fp32 (divide by the token count you want)."""
     return _dispatch("cross_entropy", _cross_entropy_ref)(logits, labels, ignore_index)

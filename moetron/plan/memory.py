@@ -344,17 +344,11 @@ def _norm_bytes(T: int, H: int, b: int) -> int:
     return T * H * 4 + T * 4 + (T * H * b if b != 4 else 0)
 
 
-def _loss_bytes(c: ModelConfig, T: int, tp: int, fused_ce: bool) -> int:
-    """The cross-entropy's fp32 log-probabilities (the C++ loss: the logits instead), the labels, and
-    torch's 4-byte total weight (not the C++ loss's)."""
-    return T * (c.vocab_size // tp) * 4 + (0 if fused_ce else 4) + T * 8
-
-
-def _head_bytes(c: ModelConfig, T: int, b: int, tp: int, sp_div: int, fused_ce: bool = False) -> int:
-    """Final norm (fp32 input, rstd, normalised), the head's input, the loss (`_loss_bytes`); under TP
-    the head saves its gathered input and the vocab-parallel loss two masks."""
+def _head_bytes(c: ModelConfig, T: int, b: int, tp: int, sp_div: int) -> int:
+    """Final norm (fp32 input, rstd, normalised), the head's input, fp32 logits, the loss, the labels;
+    under TP the head saves its gathered input and the vocab-parallel loss two masks."""
     H = c.hidden_size
-    total = _norm_bytes(T, H, b) // sp_div + _loss_bytes(c, T, tp, fused_ce)
+    total = _norm_bytes(T, H, b) // sp_div + T * (c.vocab_size // tp) * 4 + 4 + T * 8
     return total + (T * H * b + 2 * T if tp > 1 else T * H * b)
 
 
@@ -379,18 +373,15 @@ def stage_activation_bytes(c: ModelConfig, stage: PipelineStage | None, cand: Ca
         total -= (n_rope - 1) * 2 * seq // cand.cp * c.rope_dim * b
     if embedding:
         total += T * 8 + (T if cand.tp > 1 else 0)  # ids (and the vocab-parallel embedding's mask)
-    # on a CPU the trainer's default (train.fusion=auto) takes the C++ cross-entropy for fp32 without FP8
-    # (ops.cross_entropy); tensor parallel runs the vocab-parallel one
-    fused_ce = device == "cpu" and dtype == "fp32" and not fp8 and cand.tp == 1
     if loss:
-        total += _head_bytes(c, T, b, cand.tp, sp_div, fused_ce)
+        total += _head_bytes(c, T, b, cand.tp, sp_div)
     H = c.hidden_size
     norm = _norm_bytes(T, H, b) // sp_div
     for _ in mtp:  # future ids, enorm, hnorm, eh_proj's input, the final norm (pipeline/stage.py `_mtp_piece`)
         total += T * 8 + 3 * norm + T * 2 * H * b // sp_div
     if loss:  # the loss stage runs every MTP module's head and loss on its normed output, shifted labels
         masks = 2 * T if cand.tp > 1 else 0  # the head's input is gathered under SP (as the main head's)
-        total += c.num_mtp_layers * (T * H * b + masks + _loss_bytes(c, T, cand.tp, fused_ce))
+        total += c.num_mtp_layers * (T * H * b + masks + T * (c.vocab_size // cand.tp) * 4 + 4 + T * 8)
     if mtp and loss and b == 4:  # in fp32 the first hnorm's input is the final norm's input itself
         total -= T * H * 4 // sp_div
     return int(total)
