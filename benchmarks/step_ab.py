@@ -2,7 +2,7 @@
 
     python benchmarks/step_ab.py --compare weight_grads     # weight gradients beside the backward, or not
     python benchmarks/step_ab.py --compare helper           # a small model's helper thread (wide threads 2), or none
-    python benchmarks/step_ab.py --compare attention_split  # the attention core in two halves, or one call
+    python benchmarks/step_ab.py --compare attention_split --set train.fusion=none  # torch's attention in two halves, or one call
     python benchmarks/step_ab.py --compare permute          # the MoE permute in torch ops, or the C++ kernel
     python benchmarks/step_ab.py --compare router           # the softmax top-k router in torch ops, or in C++
     python benchmarks/step_ab.py --compare norm_rope        # Qwen3's q/k norm and RoPE as two C++ ops, or one
@@ -37,18 +37,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import format_table  # noqa: E402
 
 
+def _switched(owner, attr: str, off, labels: tuple[str, str]):
+    """The two settings of `owner.attr`: replaced by `off`, then the real one."""
+    real = getattr(owner, attr)
+    return [(labels[0], lambda: setattr(owner, attr, off)), (labels[1], lambda: setattr(owner, attr, real))]
+
+
 def _settings(name: str):
     """(label, apply) for the setting off and on."""
-    from moetron.kernels import sdpa_cpu, threads
+    from moetron.kernels import attention_cpu, norm_rope_cpu, sdpa_cpu, threads
+    from moetron.moe.router import TopKRouter
+    from moetron.ops import linear
     from moetron.train import trainer
 
+    never = lambda *args: False  # noqa: E731
     if name == "weight_grads":
-        real = trainer._grads_beside
-
-        def beside(on):
-            trainer._grads_beside = real if on else (lambda run: False)
-        return [("weight gradients in the backward", lambda: beside(False)),
-                ("weight gradients beside", lambda: beside(True))]
+        return _switched(trainer, "_grads_beside", never,
+                         ("weight gradients in the backward", "weight gradients beside"))
     if name == "helper":
         wide = threads.wide_threads()
         if wide < 2:
@@ -56,39 +61,16 @@ def _settings(name: str):
         return [("no helper (wide threads 1)", lambda: threads.set_wide_threads(1)),
                 (f"helper (wide threads {wide})", lambda: threads.set_wide_threads(wide))]
     if name == "attention_split":
-        real = sdpa_cpu.applies
-
-        def split(on):
-            sdpa_cpu.applies = real if on else (lambda *args: False)
-        return [("attention in one call", lambda: split(False)), ("attention in two halves", lambda: split(True))]
+        return _switched(sdpa_cpu, "applies", never, ("attention in one call", "attention in two halves"))
     if name == "norm_rope":
-        from moetron.kernels import norm_rope_cpu
-        real_applies = norm_rope_cpu.rms_norm_rope_applies
-
-        def fused(on):
-            norm_rope_cpu.rms_norm_rope_applies = real_applies if on else (lambda *args: False)
-        return [("q/k norm, then RoPE", lambda: fused(False)), ("q/k norm and RoPE in one op", lambda: fused(True))]
+        return _switched(norm_rope_cpu, "rms_norm_rope_applies", never,
+                         ("q/k norm, then RoPE", "q/k norm and RoPE in one op"))
     if name == "router":
-        from moetron.moe.router import TopKRouter
-        real_fused = TopKRouter._fused
-
-        def fused(on):
-            TopKRouter._fused = real_fused if on else (lambda self, logits: False)
-        return [("eager router", lambda: fused(False)), ("C++ router", lambda: fused(True))]
+        return _switched(TopKRouter, "_fused", never, ("eager router", "C++ router"))
     if name == "attention_kernel":
-        from moetron.kernels import attention_cpu
-        real_applies = attention_cpu.applies
-
-        def kernel(on):
-            attention_cpu.applies = real_applies if on else (lambda *args: False)
-        return [("torch's flash kernel", lambda: kernel(False)), ("moetron's C++ attention", lambda: kernel(True))]
+        return _switched(attention_cpu, "applies", never, ("torch's flash kernel", "moetron's C++ attention"))
     if name == "stacked_projections":
-        from moetron.ops import linear
-        real_stackable = linear._stackable
-
-        def stacked(on):
-            linear._stackable = real_stackable if on else (lambda layers, x: None)
-        return [("q, k, v as three GEMMs", lambda: stacked(False)), ("q, k, v as one GEMM", lambda: stacked(True))]
+        return _switched(linear, "_stackable", lambda *args: None, ("q, k, v as three GEMMs", "q, k, v as one GEMM"))
     if name == "permute":
         from moetron.dispatch import permute
         return [("torch permute", lambda: permute.set_permute_impl("torch")),
@@ -121,6 +103,12 @@ def main(argv=None) -> None:
     small_model_threads(run, recipe, print)
     keep_freed_memory(run.device, print)
     data = TokenBatches(stdlib_corpus(), t.seq_len, t.micro_batch_size, t.seed)
+    if args.compare == "attention_split":
+        from moetron.kernels import attention_cpu
+        from moetron.ops import fusion_mode
+        if fusion_mode() == "cpp" and recipe.model.head_dim in attention_cpu.HEAD_DIMS and t.dtype == "fp32":
+            raise SystemExit("--compare attention_split: this run's attention is moetron's C++ kernel, which splits "
+                             "its batch itself; compare torch's kernel in halves with --set train.fusion=none")
     settings = _settings(args.compare)
     run.model.train()
     print(f"{args.recipe} ({' '.join(args.set) or 'as shipped'}), {args.steps} steps a run alternating "
