@@ -1,6 +1,6 @@
 // Causal attention for small heads on the CPU (moetron.kernels.attention_cpu), fp32.
 //
-// Built with permute_cpu.cpp into one library by moetron/kernels/cpp_build.py on first use and
+// Compiled through fma_kernels.cpp into the library of permute_cpu.cpp (moetron/kernels/cpp_build.py) and
 // registered as torch.ops.moetron_attention.*.
 //
 //   forward:  s[i, j] = scale * q_i . k_j  (j <= i);  lse_i = log sum_j exp(s[i, j]);
@@ -18,15 +18,12 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
-#include <tuple>
 #include <vector>
 
 // Without trapping math the compiler may if-convert exp_poly's clamp and vectorise the loops; fp-contract

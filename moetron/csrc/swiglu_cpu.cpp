@@ -1,6 +1,6 @@
 // Fused weighted SwiGLU for CPU tensors (moetron.kernels.fused_swiglu, impl "cpp").
 //
-// Built with permute_cpu.cpp into one library by moetron/kernels/cpp_build.py on first use and
+// Compiled through fma_kernels.cpp into the library of permute_cpu.cpp (moetron/kernels/cpp_build.py) and
 // registered as torch.ops.moetron_swiglu.*.
 //
 //   forward:  out[n, f] = silu(g) * u * w[n]          g = gate_up[n, f], u = gate_up[n, F + f]

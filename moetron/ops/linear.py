@@ -56,19 +56,12 @@ class _ConcatLinear(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         grad = torch.cat(grads, dim=-1)
         grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+        # stacked again rather than saved: a saved copy would be an activation, the cat costs little
         grad_x = grad_2d.mm(torch.cat(weights)).view(x.shape) if ctx.needs_input_grad[0] else None
-        grad_ws = [None] * len(weights)
-        if all(ctx.needs_input_grad[1:]) and not defer_weight_grads(weights, lambda: grad_2d.t().mm(x_2d)):
+        grad_ws = [None] * len(weights)  # `_stackable` stacks weights that all need a gradient, or none
+        if ctx.needs_input_grad[1] and not defer_weight_grads(weights, lambda: grad_2d.t().mm(x_2d)):
             grad_ws = list(grad_2d.t().mm(x_2d).split([w.shape[0] for w in weights]))
-        elif not all(ctx.needs_input_grad[1:]):
-            grad_ws = [grad_2d[:, a:b].t().mm(x_2d) if need else None for need, (a, b)
-                       in zip(ctx.needs_input_grad[1:], _bounds(weights))]
         return (grad_x, *grad_ws)
-
-
-def _bounds(weights) -> list[tuple[int, int]]:
-    ends = torch.tensor([w.shape[0] for w in weights]).cumsum(0).tolist()
-    return list(zip([0] + ends[:-1], ends))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
