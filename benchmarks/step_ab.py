@@ -106,7 +106,7 @@ def main(argv=None) -> None:
     if args.compare == "attention_split":
         from moetron.kernels import attention_cpu
         from moetron.ops import fusion_mode
-        if fusion_mode() == "cpp" and recipe.model.head_dim in attention_cpu.HEAD_DIMS and t.dtype == "fp32":
+        if fusion_mode() == "cpp" and attention_cpu.head_dim_runs(recipe.model.head_dim) and t.dtype == "fp32":
             raise SystemExit("--compare attention_split: this run's attention is moetron's C++ kernel, which splits "
                              "its batch itself; compare torch's kernel in halves with --set train.fusion=none")
     settings = _settings(args.compare)

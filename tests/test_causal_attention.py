@@ -39,7 +39,7 @@ def _close(got, want, what, rel=2e-6):
 
 
 @pytest.mark.parametrize("shape", [(8, 4, 2, 128, 16), (2, 4, 4, 37, 32), (3, 6, 2, 64, 64), (1, 2, 1, 5, 16),
-                                   (2, 8, 1, 1, 32)])
+                                   (2, 8, 1, 1, 32), (1, 4, 2, 61, 48), (1, 2, 1, 30, 128)])
 def test_matches_float64_attention(shape):
     q, k, v, dout = _qkv(*shape)
     scale = shape[-1] ** -0.5
@@ -98,6 +98,9 @@ def test_core_attention_takes_it_under_the_cpp_fusion_only():
                  (q, k[..., :8, :], v[..., :8, :]),  # fewer keys than queries
                  (q, k, v[..., :8])):  # MLA's shorter v heads
         assert not attention_cpu.applies(*args)
+    assert [d for d in range(1, 200) if attention_cpu.head_dim_runs(d)] == list(range(16, 129, 16))
+    wide = _qkv(1, 2, 1, 4, 144)[:3]
+    assert not attention_cpu.applies(*wide) and attention_cpu.applies(*(t[..., :128] for t in wide))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not attention_cpu.applies(q, k, v)
 
@@ -107,7 +110,7 @@ def test_the_kernel_checks_its_arguments():
     q, k, v = q.detach(), k.detach(), v.detach()
     out, lse = q.new_empty(2, 4, 8, 16), q.new_empty(2, 4, 8)
     kernel = attention_cpu.ops().causal_forward
-    with pytest.raises(RuntimeError, match="head dim 8 is not one of 16, 32, 64"):
+    with pytest.raises(RuntimeError, match="head dim 8 is not a multiple of 16 up to 128"):
         kernel(q[..., :8], k[..., :8], v[..., :8], 1.0, out[..., :8], lse)
     with pytest.raises(RuntimeError, match="heads are not a multiple"):
         kernel(q[:, :3], k, v, 1.0, out[:, :3], lse[:, :3])
