@@ -1,13 +1,13 @@
 """moetron's C++ causal attention (moetron/kernels/attention_cpu.py, csrc/causal_attention_cpu.cpp):
 output, log-sum-exp and the three gradients against a float64 reference (GQA, sequences that are not
-a multiple of the kernel's blocks, the model's strided layouts); two halves on the helper give the
-bits of one call; `core_attention` takes it only under the C++ fusion and where it applies; the
+a multiple of the kernel's blocks, head dims up to 128, the model's strided layouts); helper tasks and
+intra-op threads give the bits of one thread; `core_attention` takes it only under the C++ fusion and where it applies; the
 C++ checks name what is wrong."""
 
 import pytest
 import torch
 
-from moetron.kernels import attention_cpu, threads
+from moetron.kernels import attention_cpu
 from moetron.ops import set_fusion
 from moetron.ops.attention_core import core_attention
 
@@ -69,21 +69,29 @@ def test_the_log_sum_exp_it_saves_and_the_causal_mask():
     assert torch.allclose(out[:, :, 0], v.detach().repeat_interleave(2, dim=1)[:, :, 0], atol=1e-6)
 
 
-def test_halves_on_the_helper_are_one_call_bit_for_bit(monkeypatch):
+def test_helper_tasks_and_intra_op_threads_give_the_bits_of_one_thread(monkeypatch):
     q, k, v, dout = _qkv(4, 4, 2, 33, 16, seed=2)
-    one = attention_cpu.CausalAttention.apply(q, k, v, 0.3)
-    one_grads = torch.autograd.grad(one, (q, k, v), dout)
-    sides = []
-    run = threads.run_beside
-    monkeypatch.setattr(attention_cpu, "run_beside", lambda a, b: sides.append(1) or run(a, b))
-    threads.set_wide_threads(2)
+
+    def run():
+        out = attention_cpu.CausalAttention.apply(q, k, v, 0.3)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    one = run()
+    asked = []
+    monkeypatch.setattr(attention_cpu, "helper_threads", lambda: asked.append(1) or 2)
+    with_helpers = run()
+    assert asked == [1, 1]  # forward and backward each hand tasks to two helpers
+    monkeypatch.undo()
+    torch.set_num_threads(2)
     try:
-        two = attention_cpu.CausalAttention.apply(q, k, v, 0.3)
-        two_grads = torch.autograd.grad(two, (q, k, v), dout)
+        two_threads = run()
     finally:
-        threads.set_wide_threads(1)
-    assert sides == [1, 1]
-    assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_grads, two_grads))
+        torch.set_num_threads(1)
+    for got in (with_helpers, two_threads):
+        assert all(torch.equal(a, b) for a, b in zip(one, got))
+    out, lse = q.new_empty(4, 33, 4, 16).transpose(1, 2), q.new_empty(4, 4, 33)
+    with pytest.raises(RuntimeError, match="helpers must be >= 0, got -1"):
+        attention_cpu.ops().causal_forward(q.detach(), k.detach(), v.detach(), 0.3, out, lse, -1)
 
 
 def test_core_attention_takes_it_under_the_cpp_fusion_only():

@@ -32,7 +32,8 @@
 // lets it fuse multiply-adds (this kernel promises a bound against the reference, not its bits).
 #pragma GCC optimize("no-trapping-math", "fp-contract=fast")
 
-#include "simd_math.h"  // after the pragma: its loops take the same options
+#include "helper_tasks.h"  // run_with_helpers: tasks on the caller and inter-op helper tasks
+#include "simd_math.h"     // after the pragma: its loops take the same options
 
 namespace {
 
@@ -258,19 +259,29 @@ Args check_all(const Tensor& q, const Tensor& k, const Tensor& v, double scale) 
   return x;
 }
 
+// fn(begin, end) over the (sequence, kv head) tasks [0, n): on torch's intra-op threads, or with `helpers`
+// > 0 one task at a time on the calling thread and that many inter-op helper tasks (helper_tasks.h).
+template <typename Fn>
+void run_tasks(int64_t n, int64_t helpers, const Fn& fn) {
+  TORCH_CHECK(helpers >= 0, "moetron causal attention (cpp): helpers must be >= 0, got ", helpers);
+  if (helpers == 0 || n < 2) return at::parallel_for(0, n, 1, fn);
+  moetron::run_with_helpers(n, helpers, [&](int64_t t) { fn(t, t + 1); });
+}
+
 // Writes out (any [B, H, S, d] strides, last dim contiguous) and lse [B, H, S].
-void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor out, Tensor lse) {
+void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, double scale, Tensor out, Tensor lse,
+                    int64_t helpers) {
   Args x = check_all(q, k, v, scale);
   const int64_t B = q.size(0);
   check(out, "out", B, x.H, x.S, x.D);
   check_lse(lse, B, x.H, x.S);
   x.out = view_of(out), x.lse = lse.data_ptr<float>();
-  at::parallel_for(0, B * x.Hk, 1, [&](int64_t b, int64_t e) { (has_avx2_fma() ? forward_fma : forward_plain)(x, b, e); });
+  run_tasks(B * x.Hk, helpers, [&](int64_t b, int64_t e) { (has_avx2_fma() ? forward_fma : forward_plain)(x, b, e); });
 }
 
 // Writes dq, dk, dv (any strides, last dim contiguous; dk and dv are overwritten, not added to).
 void causal_backward(const Tensor& grad, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                     const Tensor& lse, double scale, Tensor dq, Tensor dk, Tensor dv) {
+                     const Tensor& lse, double scale, Tensor dq, Tensor dk, Tensor dv, int64_t helpers) {
   Args x = check_all(q, k, v, scale);
   const int64_t B = q.size(0);
   check(grad, "grad", B, x.H, x.S, x.D);
@@ -281,16 +292,16 @@ void causal_backward(const Tensor& grad, const Tensor& q, const Tensor& k, const
   check_lse(lse, B, x.H, x.S);
   x.grad = view_of(grad), x.out = view_of(out), x.dq = view_of(dq), x.dk = view_of(dk), x.dv = view_of(dv);
   x.lse = const_cast<float*>(lse.const_data_ptr<float>());
-  at::parallel_for(0, B * x.Hk, 1,
-                   [&](int64_t b, int64_t e) { (has_avx2_fma() ? backward_fma : backward_plain)(x, b, e); });
+  run_tasks(B * x.Hk, helpers,
+            [&](int64_t b, int64_t e) { (has_avx2_fma() ? backward_fma : backward_plain)(x, b, e); });
 }
 
 }  // namespace
 
 TORCH_LIBRARY(moetron_attention, m) {
-  m.def("causal_forward(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out, Tensor(b!) lse) -> ()",
+  m.def("causal_forward(Tensor q, Tensor k, Tensor v, float scale, Tensor(a!) out, Tensor(b!) lse, int helpers=0) -> ()",
         &causal_forward);
   m.def("causal_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, "
-        "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()",
+        "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, int helpers=0) -> ()",
         &causal_backward);
 }

@@ -29,11 +29,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <exception>
-#include <functional>
-#include <memory>
-#include <thread>
+#include <cstring>
 #include <vector>
+
+#include "helper_tasks.h"  // run_with_helpers: the pieces on the caller and inter-op helper tasks
 
 namespace {
 
@@ -64,49 +63,13 @@ struct Piece {
   int64_t e, r0, r1;
 };
 
-// The calling thread and `helpers` inter-op tasks take pieces from one counter. The caller waits only for
-// pieces a helper has started: a helper that gets no core before the pieces run out costs nothing, where
-// an OpenMP region waits at its closing barrier for every thread to arrive.
-void run_with_helpers(const std::vector<Piece>& pieces, int64_t helpers, const std::function<void(const Piece&)>& fn) {
-  struct Shared {
-    std::vector<Piece> pieces;
-    std::function<void(const Piece&)> fn;  // refers to the caller's tensors: runs only while the caller waits
-    std::atomic<int64_t> next{0}, busy{0};
-    std::atomic<bool> failed{false};
-    std::exception_ptr error;
-  };
-  auto shared = std::make_shared<Shared>();
-  shared->pieces = pieces;
-  shared->fn = fn;
-  const int64_t n = static_cast<int64_t>(pieces.size());
-  auto take = [n](Shared& s) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;  // the inner matmuls stay below autograd
-    try {
-      for (int64_t i = s.next.fetch_add(1); i < n; i = s.next.fetch_add(1)) s.fn(s.pieces[i]);
-    } catch (...) {
-      s.next.store(n);  // nobody starts another piece
-      if (!s.failed.exchange(true)) s.error = std::current_exception();
-    }
-  };
-  for (int64_t h = 0; h < helpers; ++h) {
-    at::launch([shared, take] {
-      shared->busy.fetch_add(1);  // before taking a piece: the caller then waits for it
-      take(*shared);
-      shared->busy.fetch_sub(1);
-    });
-  }
-  take(*shared);
-  while (shared->busy.load() != 0) std::this_thread::yield();
-  if (shared->failed.load()) std::rethrow_exception(shared->error);
-}
-
 // Runs fn(piece) for every piece, each taken by the next free thread (an atomic counter): a thread that
 // another process descheduled simply takes fewer pieces.
 template <typename Fn>
 void run_pieces(const std::vector<Piece>& pieces, int64_t helpers, Fn fn) {
   const int64_t n = static_cast<int64_t>(pieces.size());
   const int64_t P = threads_for(helpers, n);
-  if (helpers > 0 && P > 1) return run_with_helpers(pieces, P - 1, fn);
+  if (helpers > 0 && P > 1) return moetron::run_with_helpers(n, P - 1, [&](int64_t i) { fn(pieces[i]); });
   std::atomic<int64_t> next{0};
   at::parallel_for(0, P, 1, [&](int64_t, int64_t) {
     // the pool's threads have their own grad mode: keep the inner matmuls below autograd
@@ -172,15 +135,13 @@ Tensor weight_grad_mm(const Tensor& a, const Tensor& b, const std::vector<int64_
   const int64_t tail = N - std::min<int64_t>(N, 2 * P * (N / std::max<int64_t>(E, 1)));
   std::vector<Piece> pieces;
   for (int64_t e = 0; e < E; ++e) {
-    if (ends[e] == starts[e]) {
-      out.select(0, e).zero_();  // an expert without rows: a zero gradient
-      continue;
-    }
-    cut(pieces, e, 0, O, ends[e] <= tail ? O : kSmallRows);
+    // an expert without rows gets a zero gradient: a piece too, so that the threads share the writes
+    cut(pieces, e, 0, O, ends[e] == starts[e] || ends[e] <= tail ? O : kSmallRows);
   }
   run_pieces(pieces, helpers, [&](const Piece& p) {
     const int64_t rows = ends[p.e] - starts[p.e], outs = p.r1 - p.r0;
     Tensor o = view_of(out, (p.e * O + p.r0) * K, {outs, K}, {K, 1});
+    if (rows == 0) return static_cast<void>(std::memset(o.data_ptr(), 0, outs * K * out.element_size()));
     at::cpu::mm_out(o, view_of(a, starts[p.e] * O + p.r0, {outs, rows}, {1, O}),
                     view_of(b, starts[p.e] * K, {rows, K}, {K, 1}));
   });

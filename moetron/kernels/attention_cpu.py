@@ -4,8 +4,10 @@ torch's CPU flash kernel calls a GEMM per block of 32 queries and makes a softma
 buffer. At a small model's shapes (default recipe: head dim 16, 128 positions) those calls cost more
 than the arithmetic; `moetron/csrc/causal_attention_cpu.cpp` runs stripes of 24 queries through one
 register-tiled micro-GEMM, 0.4-0.6x torch's time up to 512 positions and still ahead at 2048
-(docs/performance.md). GQA is native (each kv head's query heads in turn, no repeated k/v). With a helper thread (kernels/threads.py) the batch runs in two halves side
-by side; each (sequence, kv head) is computed on its own, so the halves give the bits of one call.
+(docs/performance.md). GQA is native (each kv head's query heads in turn, no repeated k/v). Each
+(sequence, kv head) is a task of its own, on torch's intra-op threads or, for a small model with a
+helper (kernels/threads.py), taken one by one by the caller and a helper task, so a helper that another
+process keeps off its core costs nothing; any split gives the bits of one thread.
 Sums run in another order than torch's kernel: within a few ulp of it (tests/test_causal_attention.py).
 `ops.attention_core` routes here under `set_fusion("cpp")` (the trainer's CPU default).
 """
@@ -16,7 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from moetron.kernels import cpp_build
-from moetron.kernels.threads import helper_threads, run_beside
+from moetron.kernels.threads import helper_threads
 
 HEAD_DIM_STEP, HEAD_DIM_MAX = 16, 128  # the kernel's register tile is 16 wide; other head dims keep torch's SDPA
 
@@ -42,14 +44,6 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
 
 
-def _by_halves(fn, batch: int) -> None:
-    """fn(batch slice) over the whole batch: two halves side by side when a helper thread is set."""
-    if helper_threads() > 0 and batch >= 2:
-        run_beside(lambda: fn(slice(0, batch // 2)), lambda: fn(slice(batch // 2, None)))
-    else:
-        fn(slice(None))
-
-
 def _bshd(B: int, S: int, heads: int, d: int, like: torch.Tensor) -> torch.Tensor:
     """An empty [B, heads, S, d] tensor laid out as [B, S, heads, d] (what o_proj reads without a copy)."""
     return like.new_empty(B, S, heads, d).transpose(1, 2)
@@ -63,8 +57,7 @@ class CausalAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, scale):
         B, H, S, D = q.shape
         out, lse = _bshd(B, S, H, D, q), q.new_empty(B, H, S)
-        kernel = ops().causal_forward
-        _by_halves(lambda s: kernel(q[s], k[s], v[s], scale, out[s], lse[s]), B)
+        ops().causal_forward(q, k, v, scale, out, lse, helper_threads())
         ctx.scale = scale
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -77,6 +70,5 @@ class CausalAttention(torch.autograd.Function):
             grad = grad.contiguous()
         B, H, S, D = q.shape
         dq, dk, dv = _bshd(B, S, H, D, q), _bshd(B, S, k.shape[1], D, k), _bshd(B, S, k.shape[1], D, k)
-        kernel = ops().causal_backward
-        _by_halves(lambda s: kernel(grad[s], q[s], k[s], v[s], out[s], lse[s], ctx.scale, dq[s], dk[s], dv[s]), B)
+        ops().causal_backward(grad, q, k, v, out, lse, ctx.scale, dq, dk, dv, helper_threads())
         return dq, dk, dv, None

@@ -45,7 +45,7 @@ ROUTER_SOURCE = SOURCE.with_name("router_cpu.cpp")  # likewise
 ATTENTION_SOURCE = SOURCE.with_name("causal_attention_cpu.cpp")  # likewise
 FMA_UNIT = SOURCE.with_name("fma_kernels.cpp")  # compiles SWIGLU_SOURCE and ATTENTION_SOURCE as one unit
 # included by the compiled sources: part of the build's inputs
-HEADERS = (SOURCE.with_name("simd_math.h"), SWIGLU_SOURCE, ATTENTION_SOURCE)
+HEADERS = (SOURCE.with_name("simd_math.h"), SOURCE.with_name("helper_tasks.h"), SWIGLU_SOURCE, ATTENTION_SOURCE)
 # -ffp-contract=off: no FMA contraction, the fused numerics equal the torch reference bit for bit.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]

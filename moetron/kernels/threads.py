@@ -5,8 +5,10 @@ a second thread to pay for the barrier where the threads meet. Two are not, and 
 `set_wide_threads(2)` each gets a helper that the caller never waits for before it has started (a
 helper that another process keeps off its core costs nothing); the results are the same to the bit:
 - the experts' grouped GEMM hands whole experts to the caller and a task on torch's inter-op pool
-  (`helper_threads`, csrc/grouped_gemm_cpu.cpp);
-- the attention core runs half of the batch on a helper thread (`run_beside`, kernels/sdpa_cpu.py).
+  (`helper_threads`, csrc/grouped_gemm_cpu.cpp), and moetron's C++ attention its (sequence, kv head)
+  tasks (csrc/causal_attention_cpu.cpp), both through csrc/helper_tasks.h;
+- torch's attention (train.fusion=none) runs half of the batch on a helper thread (`run_beside`,
+  kernels/sdpa_cpu.py).
 The same helper thread computes weight gradients beside the backward pass (kernels/weight_grads.py);
 `run_beside`'s halves go first, since a caller waits for them.
 """

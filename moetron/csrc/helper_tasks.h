@@ -1,0 +1,58 @@
+// Shared by the grouped GEMM and the causal attention: the tasks of one op run by the calling thread and
+// helper tasks on torch's inter-op pool (a small model trains on one intra-op thread and gives its widest
+// ops a helper: moetron/kernels/threads.py). Each thread takes the next task index from one counter, so a
+// thread that another process keeps off its core simply takes fewer; the caller waits only for tasks a
+// helper has started, where an OpenMP region waits at its closing barrier for every thread to arrive.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <thread>
+
+namespace moetron {
+namespace {
+
+// fn(i) for every i in [0, n), on the calling thread and `helpers` inter-op tasks; the first exception
+// stops new tasks and is rethrown here. fn may refer to the caller's data: it runs only while the caller
+// waits (a helper that starts after the work ran out calls nothing).
+inline void run_with_helpers(int64_t n, int64_t helpers, const std::function<void(int64_t)>& fn) {
+  struct Shared {
+    std::function<void(int64_t)> fn;
+    int64_t n;
+    std::atomic<int64_t> next{0}, busy{0};
+    std::atomic<bool> failed{false};
+    std::exception_ptr error;
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->fn = fn;
+  shared->n = n;
+  auto take = [](Shared& s) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // ops called inside stay below autograd
+    try {
+      for (int64_t i = s.next.fetch_add(1); i < s.n; i = s.next.fetch_add(1)) s.fn(i);
+    } catch (...) {
+      s.next.store(s.n);  // nobody starts another task
+      if (!s.failed.exchange(true)) s.error = std::current_exception();
+    }
+  };
+  for (int64_t h = 0; h < std::min<int64_t>(helpers, n - 1); ++h) {
+    at::launch([shared, take] {
+      shared->busy.fetch_add(1);  // before taking a task: the caller then waits for it
+      take(*shared);
+      shared->busy.fetch_sub(1);
+    });
+  }
+  take(*shared);
+  while (shared->busy.load() != 0) std::this_thread::yield();
+  if (shared->failed.load()) std::rethrow_exception(shared->error);
+}
+
+}  // namespace
+}  // namespace moetron
