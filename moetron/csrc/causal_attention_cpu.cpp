@@ -46,14 +46,11 @@ constexpr int kTileRows = 6;             // register tile: kTileRows x 2 vectors
 constexpr int kTileCols = 2 * kLanes;    // head dims and padded key counts are multiples of it
 constexpr int64_t kMaxHeadDim = 128;     // measured against torch's flash kernel up to here
 constexpr int64_t kStripe = 24;          // query rows per stripe (a stripe's scores stay in L2)
-typedef float vec __attribute__((vector_size(32)));  // GCC lowers it to two SSE registers without AVX
-
-__attribute__((always_inline)) inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-__attribute__((always_inline)) inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
+using moetron::exp8;
+using moetron::lane_sum;
+using moetron::load8;
+using moetron::store8;
+using moetron::vec8;
 
 inline int64_t padded(int64_t n) { return (n + kTileCols - 1) / kTileCols * kTileCols; }
 
@@ -74,14 +71,14 @@ template <int M, bool Add, bool Trans>
 __attribute__((always_inline)) inline void tile(int64_t K, const float* __restrict a, int64_t lda,
                                                 const float* __restrict b, int64_t ldb, float* __restrict c,
                                                 int64_t ldc) {
-  vec lo[M], hi[M];
+  vec8 lo[M], hi[M];
 #pragma GCC unroll 8  // the accumulators stay in registers (rolled, GCC keeps them in stack arrays)
   for (int m = 0; m < M; ++m) {
-    lo[m] = Add ? load(c + m * ldc) : vec{};
-    hi[m] = Add ? load(c + m * ldc + kLanes) : vec{};
+    lo[m] = Add ? load8(c + m * ldc) : vec8{};
+    hi[m] = Add ? load8(c + m * ldc + kLanes) : vec8{};
   }
   for (int64_t k = 0; k < K; ++k) {
-    const vec b0 = load(b + k * ldb), b1 = load(b + k * ldb + kLanes);
+    const vec8 b0 = load8(b + k * ldb), b1 = load8(b + k * ldb + kLanes);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const float x = Trans ? a[m + k * lda] : a[m * lda + k];
@@ -91,8 +88,8 @@ __attribute__((always_inline)) inline void tile(int64_t K, const float* __restri
   }
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) {
-    store(c + m * ldc, lo[m]);
-    store(c + m * ldc + kLanes, hi[m]);
+    store8(c + m * ldc, lo[m]);
+    store8(c + m * ldc + kLanes, hi[m]);
   }
 }
 
@@ -149,9 +146,15 @@ __attribute__((always_inline)) inline void softmax_rows(float* __restrict s, int
       sr[j] *= scale;
       m = sr[j] > m ? sr[j] : m;
     }
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j <= last; ++j) {
+    const int64_t L8 = (last + 1) / 8 * 8;
+    vec8 sum8 = {};
+    for (int64_t j = 0; j < L8; j += 8) {
+      const vec8 p = exp8(load8(sr + j) - m);
+      store8(sr + j, p);
+      sum8 += p;
+    }
+    float sum = lane_sum(sum8);
+    for (int64_t j = L8; j <= last; ++j) {
       sr[j] = exp_poly(sr[j] - m);
       sum += sr[j];
     }
@@ -210,8 +213,13 @@ __attribute__((always_inline)) inline void backward_range(const Args& x, int64_t
           for (int64_t d = 0; d < D; ++d) Di += gi[d] * oi[d];
           const float l = lse[r], sc = x.scale;
           const int64_t last = i0 + r;
-#pragma omp simd
-          for (int64_t j = 0; j <= last; ++j) {
+          const int64_t L8 = (last + 1) / 8 * 8;
+          for (int64_t j = 0; j < L8; j += 8) {
+            const vec8 p = exp8(load8(pr + j) * sc - l);
+            store8(pr + j, p);
+            store8(dr + j, sc * p * (load8(dr + j) - Di));
+          }
+          for (int64_t j = L8; j <= last; ++j) {
             pr[j] = exp_poly(pr[j] * sc - l);
             dr[j] = sc * pr[j] * (dr[j] - Di);
           }

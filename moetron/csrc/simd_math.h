@@ -36,6 +36,49 @@ __attribute__((always_inline)) inline float exp_poly(float x) {
   return p * scale;
 }
 
+// Eight floats in GCC's vector types: AVX registers in the AVX2+FMA loops, pairs of SSE registers in the
+// default ones. (Passed by value only between always_inline functions: no ABI involved.)
+typedef float vec8 __attribute__((vector_size(32)));
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+
+__attribute__((always_inline)) inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+__attribute__((always_inline)) inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// exp_poly's steps on eight lanes. A loop calling exp_poly vectorises, but GCC if-converts the clamps
+// into compare-and-blend chains that it carries through what follows (a sigmoid's division): a SiLU
+// loop ran 2.7x slower than this (1.86 vs 0.68 ns an element on the development VM).
+__attribute__((always_inline)) inline vec8 exp8(vec8 x) {
+  const vec8 lo = vec8{} - 87.0f, hi = vec8{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vec8 fx = x * 1.44269504088896341f;
+  const vec8 fn = (fx + 12582912.0f) - 12582912.0f;
+  const ivec8 n = __builtin_convertvector(fn, ivec8);
+  vec8 r = x - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  const vec8 z = r * r;
+  vec8 p = vec8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * z + r + 1.0f;
+  const ivec8 bits = (n + 127) << 23;
+  return p * (vec8)bits;  // a vector cast reinterprets the bits
+}
+
+// The sum of a vector's lanes, in lane order.
+__attribute__((always_inline)) inline float lane_sum(vec8 v) {
+  float s = v[0];
+  for (int i = 1; i < 8; ++i) s += v[i];
+  return s;
+}
+
 inline bool no_fma_requested() {
   const char* v = std::getenv("MOETRON_NO_FMA");
   return v != nullptr && v[0] != '\0' && !(v[0] == '0' && v[1] == '\0');
