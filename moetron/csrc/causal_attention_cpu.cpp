@@ -32,7 +32,7 @@
 // lets it fuse multiply-adds (this kernel promises a bound against the reference, not its bits).
 #pragma GCC optimize("no-trapping-math", "fp-contract=fast")
 
-#include "helper_tasks.h"  // run_with_helpers: tasks on the caller and inter-op helper tasks
+#include "helper_tasks.h"  // run_tasks: tasks to whichever thread is free
 #include "simd_math.h"     // after the pragma: its loops take the same options
 
 namespace {
@@ -267,13 +267,12 @@ Args check_all(const Tensor& q, const Tensor& k, const Tensor& v, double scale) 
   return x;
 }
 
-// fn(begin, end) over the (sequence, kv head) tasks [0, n): on torch's intra-op threads, or with `helpers`
-// > 0 one task at a time on the calling thread and that many inter-op helper tasks (helper_tasks.h).
+// fn(task, task + 1) for every (sequence, kv head) task, each taken by the next free thread: the caller and
+// `helpers` inter-op tasks, or torch's intra-op threads (helper_tasks.h).
 template <typename Fn>
 void run_tasks(int64_t n, int64_t helpers, const Fn& fn) {
   TORCH_CHECK(helpers >= 0, "moetron causal attention (cpp): helpers must be >= 0, got ", helpers);
-  if (helpers == 0 || n < 2) return at::parallel_for(0, n, 1, fn);
-  moetron::run_with_helpers(n, helpers, [&](int64_t t) { fn(t, t + 1); });
+  moetron::run_tasks(n, helpers, [&](int64_t t) { fn(t, t + 1); });
 }
 
 // Writes out (any [B, H, S, d] strides, last dim contiguous) and lse [B, H, S].

@@ -32,7 +32,7 @@
 #include <cstring>
 #include <vector>
 
-#include "helper_tasks.h"  // run_with_helpers: the pieces on the caller and inter-op helper tasks
+#include "helper_tasks.h"  // run_tasks: pieces to whichever thread is free
 
 namespace {
 
@@ -52,30 +52,15 @@ std::vector<int64_t> row_ends(const Tensor& offsets, int64_t N) {
   return ends;
 }
 
-// Who runs the pieces: torch's intra-op threads (helpers == 0), or the calling thread and `helpers` tasks
-// on torch's inter-op pool (a small model on one intra-op thread: moetron/kernels/threads.py).
-int64_t threads_for(int64_t helpers, int64_t work) {
-  return std::max<int64_t>(1, std::min<int64_t>(helpers > 0 ? helpers + 1 : at::get_num_threads(), work));
-}
-
 // A piece of work: rows [r0, r1) of expert e (modes 0, 1) or its output rows [r0, r1) (mode 2).
 struct Piece {
   int64_t e, r0, r1;
 };
 
-// Runs fn(piece) for every piece, each taken by the next free thread (an atomic counter): a thread that
-// another process descheduled simply takes fewer pieces.
+// Runs fn(piece) for every piece, each taken by the next free thread (helper_tasks.h).
 template <typename Fn>
 void run_pieces(const std::vector<Piece>& pieces, int64_t helpers, Fn fn) {
-  const int64_t n = static_cast<int64_t>(pieces.size());
-  const int64_t P = threads_for(helpers, n);
-  if (helpers > 0 && P > 1) return moetron::run_with_helpers(n, P - 1, [&](int64_t i) { fn(pieces[i]); });
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, P, 1, [&](int64_t, int64_t) {
-    // the pool's threads have their own grad mode: keep the inner matmuls below autograd
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(pieces[i]);
-  });
+  moetron::run_tasks(static_cast<int64_t>(pieces.size()), helpers, [&](int64_t i) { fn(pieces[i]); });
 }
 
 // A view of contiguous `t`'s memory made without the dispatcher (narrow, select and t each pass through it:
@@ -97,7 +82,9 @@ constexpr int64_t kBigRows = 1024, kSmallRows = 128;
 // The thread count the pieces are cut for: at least 2, so that one thread cuts them as two do. MKL's
 // result for a row can depend on how many rows its call has, so a small model's run then gets the same
 // bits with its helper and without (wide threads 2 or 1), and with one intra-op thread or two.
-int64_t cut_threads(int64_t helpers, int64_t work) { return std::max<int64_t>(2, threads_for(helpers, work)); }
+int64_t cut_threads(int64_t helpers, int64_t work) {
+  return std::max<int64_t>(2, moetron::threads_for(helpers, work));
+}
 
 std::vector<int64_t> starts_of(const std::vector<int64_t>& ends) {
   std::vector<int64_t> starts(ends.size());

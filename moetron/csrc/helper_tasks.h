@@ -42,7 +42,7 @@ inline void run_with_helpers(int64_t n, int64_t helpers, const std::function<voi
       if (!s.failed.exchange(true)) s.error = std::current_exception();
     }
   };
-  for (int64_t h = 0; h < std::min<int64_t>(helpers, n - 1); ++h) {
+  for (int64_t h = 0; h < helpers; ++h) {
     at::launch([shared, take] {
       shared->busy.fetch_add(1);  // before taking a task: the caller then waits for it
       take(*shared);
@@ -52,6 +52,25 @@ inline void run_with_helpers(int64_t n, int64_t helpers, const std::function<voi
   take(*shared);
   while (shared->busy.load() != 0) std::this_thread::yield();
   if (shared->failed.load()) std::rethrow_exception(shared->error);
+}
+
+// Who runs an op's tasks: torch's intra-op threads (helpers == 0), or the calling thread and `helpers`
+// inter-op tasks; never more threads than tasks.
+inline int64_t threads_for(int64_t helpers, int64_t work) {
+  return std::max<int64_t>(1, std::min<int64_t>(helpers > 0 ? helpers + 1 : at::get_num_threads(), work));
+}
+
+// fn(i) for every i in [0, n), each index taken by the next free thread from one counter: with helpers
+// the caller and its helper tasks (above), else torch's intra-op threads, so that there too a thread
+// that another process keeps off its core takes fewer tasks instead of holding up a static share.
+inline void run_tasks(int64_t n, int64_t helpers, const std::function<void(int64_t)>& fn) {
+  const int64_t P = threads_for(helpers, n);
+  if (helpers > 0 && P > 1) return run_with_helpers(n, P - 1, fn);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, P, 1, [&](int64_t, int64_t) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // the pool's threads have their own grad mode
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  });
 }
 
 }  // namespace
