@@ -23,11 +23,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
-#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
