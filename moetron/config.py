@@ -238,7 +238,8 @@ class TrainConfig:
     device: str = "auto"  # auto (this rank's GPU when CUDA is available, else the CPU), cpu, cuda
     # elementwise kernels: auto (cpp on a CPU without FP8, else none), none (eager reference), cpp (C++ RMSNorm, RoPE,
     # the experts' weighted SwiGLU, the softmax top-k router and the causal attention core for fp32 head dims
-    # a multiple of 16 up to 128, CPU tensors), compile (torch.compile'd, same math)
+    # a multiple of 16 up to 128 where positions x head dim <= 2^17, CPU tensors),
+    # compile (torch.compile'd, same math)
     fusion: str = "auto"
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: "stop" (raise) or "skip" the update
     collective_timeout_s: float = 1800.0  # how long a collective waits for a dead or stuck rank

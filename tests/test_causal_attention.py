@@ -109,6 +109,8 @@ def test_core_attention_takes_it_under_the_cpp_fusion_only():
     assert [d for d in range(1, 200) if attention_cpu.head_dim_runs(d)] == list(range(16, 129, 16))
     wide = _qkv(1, 2, 1, 4, 144)[:3]
     assert not attention_cpu.applies(*wide) and attention_cpu.applies(*(t[..., :128] for t in wide))
+    long = [torch.empty(1, 2049, 2, 64).transpose(1, 2) for _ in range(3)]  # keys past L2: torch's kernel
+    assert not attention_cpu.applies(*long) and attention_cpu.applies(*(t[:, :, :2048] for t in long))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not attention_cpu.applies(q, k, v)
 

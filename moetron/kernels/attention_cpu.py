@@ -3,8 +3,9 @@
 torch's CPU flash kernel calls a GEMM per block of 32 queries and makes a softmax pass over a scores
 buffer. At a small model's shapes (default recipe: head dim 16, 128 positions) those calls cost more
 than the arithmetic; `moetron/csrc/causal_attention_cpu.cpp` runs stripes of 24 queries through one
-register-tiled micro-GEMM, 0.4-0.6x torch's time up to 512 positions and still ahead at 2048
-(docs/performance.md). GQA is native (each kv head's query heads in turn, no repeated k/v). Each
+register-tiled micro-GEMM, 0.4-0.6x torch's time up to 512 positions. Each stripe reads all of its
+kv head's keys, so once they outgrow L2 (positions x head dim > 2^17 floats) torch's key-blocked
+kernel wins (1.9x faster at 4096 x 128): those shapes keep SDPA (docs/performance.md). GQA is native (each kv head's query heads in turn, no repeated k/v). Each
 (sequence, kv head) is a task of its own, on torch's intra-op threads or, for a small model with a
 helper (kernels/threads.py), taken one by one by the caller and a helper task, so a helper that another
 process keeps off its core costs nothing; any split gives the bits of one thread.
@@ -21,6 +22,7 @@ from moetron.kernels import cpp_build
 from moetron.kernels.threads import helper_threads
 
 HEAD_DIM_STEP, HEAD_DIM_MAX = 16, 128  # the kernel's register tile is 16 wide; other head dims keep torch's SDPA
+MAX_KEY_FLOATS = 2**17  # positions x head dim: a kv head's transposed keys within a 512 KiB L2
 
 
 def ops():
@@ -35,11 +37,13 @@ def head_dim_runs(d: int) -> bool:
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """q [B, h, S, d], k and v [B, h_kv, S, d] (as many keys as queries, h a multiple of h_kv), fp32 CPU
-    outside autocast, d a multiple of HEAD_DIM_STEP up to HEAD_DIM_MAX, each with a unit stride on d."""
+    outside autocast, d a multiple of HEAD_DIM_STEP up to HEAD_DIM_MAX, S * d <= MAX_KEY_FLOATS, each with a
+    unit stride on d."""
     return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
             and not torch.is_autocast_enabled("cpu") and q.dim() == k.dim() == v.dim() == 4
             and q.shape[0] == k.shape[0] == v.shape[0] and q.shape[2] == k.shape[2] == v.shape[2]
             and q.shape[3] == k.shape[3] == v.shape[3] and head_dim_runs(q.shape[3])
+            and q.shape[2] * q.shape[3] <= MAX_KEY_FLOATS
             and k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1)
 

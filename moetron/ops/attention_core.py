@@ -1,7 +1,8 @@
 """The attention core behind one seam: softmax(q k^T * scale + causal) v.
 
 Backends: `sdpa` (torch's scaled_dot_product_attention; flash kernels on GPU; on a CPU under
-`train.fusion=cpp`, moetron's C++ kernel for head dims a multiple of 16 up to 128, kernels/attention_cpu.py),
+`train.fusion=cpp`, moetron's C++ kernel for head dims a multiple of 16 up to 128 and sequences
+whose keys fit in L2, kernels/attention_cpu.py),
 `eager` (explicit matmuls, the readable reference), `flash_attn` and `te`
 (Transformer Engine), the last two GPU-only and used only when asked for.
 Shapes: q [B,h,Sq,dqk], k [B,h_kv,Sk,dqk], v [B,h_kv,Sk,dv]; dv may differ from dqk
