@@ -93,22 +93,35 @@ __attribute__((always_inline)) inline void tile(int64_t K, const float* __restri
   }
 }
 
+// Which of a causal product's tiles gemm() skips, with `diag` the stripe's first query row i0: the
+// terms past a row tile's last query (keys j > i0 + m0 + rows - 1) are zero or unused, and a key tile's
+// first keys j0 = m0 get nothing from the stripe's rows before j0 - i0.
+enum class Causal { kNone, kColumns, kInner, kInnerFrom };
+
 // c[M, N] = (Add ? c : 0) + a[M, K] b[K, N], a as in tile(), rows of b and c ldb and ldc apart; N a
-// multiple of kTileCols.
-template <bool Add, bool Trans = false>
+// multiple of kTileCols. Per row tile, kColumns computes only the columns (keys) up to its last query,
+// kInner sums only the keys up to it, kInnerFrom only the stripe rows from its first key on.
+template <bool Add, bool Trans = false, Causal Mask = Causal::kNone>
 __attribute__((always_inline)) inline void gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
-                                                const float* b, int64_t ldb, float* c, int64_t ldc) {
+                                                const float* b, int64_t ldb, float* c, int64_t ldc,
+                                                int64_t diag = 0) {
   for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-    const float* at = a + (Trans ? m0 : m0 * lda);
+    const int64_t rows = std::min<int64_t>(kTileRows, M - m0);
+    int64_t k0 = 0, k1 = K, n1 = N;
+    if (Mask == Causal::kColumns) n1 = std::min(N, padded(diag + m0 + rows));
+    if (Mask == Causal::kInner) k1 = std::min(K, diag + m0 + rows);
+    if (Mask == Causal::kInnerFrom) k0 = std::min(K, std::max<int64_t>(0, m0 - diag));
+    const float* at = a + (Trans ? m0 + k0 * lda : m0 * lda + k0);
+    const float* bt = b + k0 * ldb;
     float* ct = c + m0 * ldc;
-    for (int64_t n0 = 0; n0 < N; n0 += kTileCols) {
-      switch (std::min<int64_t>(kTileRows, M - m0)) {
-        case 6: tile<6, Add, Trans>(K, at, lda, b + n0, ldb, ct + n0, ldc); break;
-        case 5: tile<5, Add, Trans>(K, at, lda, b + n0, ldb, ct + n0, ldc); break;
-        case 4: tile<4, Add, Trans>(K, at, lda, b + n0, ldb, ct + n0, ldc); break;
-        case 3: tile<3, Add, Trans>(K, at, lda, b + n0, ldb, ct + n0, ldc); break;
-        case 2: tile<2, Add, Trans>(K, at, lda, b + n0, ldb, ct + n0, ldc); break;
-        default: tile<1, Add, Trans>(K, at, lda, b + n0, ldb, ct + n0, ldc); break;
+    for (int64_t n0 = 0; n0 < n1; n0 += kTileCols) {
+      switch (rows) {
+        case 6: tile<6, Add, Trans>(k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc); break;
+        case 5: tile<5, Add, Trans>(k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc); break;
+        case 4: tile<4, Add, Trans>(k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc); break;
+        case 3: tile<3, Add, Trans>(k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc); break;
+        case 2: tile<2, Add, Trans>(k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc); break;
+        default: tile<1, Add, Trans>(k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc); break;
       }
     }
   }
@@ -174,9 +187,11 @@ __attribute__((always_inline)) inline void forward_range(const Args& x, int64_t 
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t i0 = 0; i0 < S; i0 += kStripe) {
         const int64_t n = std::min(kStripe, S - i0), J = i0 + n;
-        gemm<false>(n, padded(J), D, x.q.row(b, h, i0), x.q.ss, kt.data(), Sp, s.data(), Sp);
+        gemm<false, false, Causal::kColumns>(n, padded(J), D, x.q.row(b, h, i0), x.q.ss, kt.data(), Sp, s.data(), Sp,
+                                             i0);
         softmax_rows(s.data(), Sp, i0, n, x.scale, x.lse + (b * x.H + h) * S + i0, inv);
-        gemm<false>(n, D, J, s.data(), Sp, x.v.row(b, hk, 0), x.v.ss, x.out.row(b, h, i0), x.out.ss);
+        gemm<false, false, Causal::kInner>(n, D, J, s.data(), Sp, x.v.row(b, hk, 0), x.v.ss, x.out.row(b, h, i0),
+                                            x.out.ss, i0);
         for (int64_t r = 0; r < n; ++r) {
           float* o = x.out.row(b, h, i0 + r);
           for (int64_t d = 0; d < D; ++d) o[d] *= inv[r];
@@ -201,8 +216,10 @@ __attribute__((always_inline)) inline void backward_range(const Args& x, int64_t
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t i0 = 0; i0 < S; i0 += kStripe) {
         const int64_t n = std::min(kStripe, S - i0), J = i0 + n;
-        gemm<false>(n, padded(J), D, x.q.row(b, h, i0), x.q.ss, kt.data(), Sp, s.data(), Sp);
-        gemm<false>(n, padded(J), D, x.grad.row(b, h, i0), x.grad.ss, vt.data(), Sp, ds.data(), Sp);
+        gemm<false, false, Causal::kColumns>(n, padded(J), D, x.q.row(b, h, i0), x.q.ss, kt.data(), Sp, s.data(), Sp,
+                                             i0);
+        gemm<false, false, Causal::kColumns>(n, padded(J), D, x.grad.row(b, h, i0), x.grad.ss, vt.data(), Sp, ds.data(),
+                                             Sp, i0);
         const float* lse = x.lse + (b * x.H + h) * S + i0;
         for (int64_t r = 0; r < n; ++r) {  // s -> p, dout . v -> ds
           float* __restrict pr = s.data() + r * Sp;
@@ -226,9 +243,12 @@ __attribute__((always_inline)) inline void backward_range(const Args& x, int64_t
           std::fill(pr + last + 1, pr + J, 0.0f);
           std::fill(dr + last + 1, dr + J, 0.0f);
         }
-        gemm<false>(n, D, J, ds.data(), Sp, x.k.row(b, hk, 0), x.k.ss, x.dq.row(b, h, i0), x.dq.ss);
-        gemm<true, true>(J, D, n, ds.data(), Sp, x.q.row(b, h, i0), x.q.ss, x.dk.row(b, hk, 0), x.dk.ss);
-        gemm<true, true>(J, D, n, s.data(), Sp, x.grad.row(b, h, i0), x.grad.ss, x.dv.row(b, hk, 0), x.dv.ss);
+        gemm<false, false, Causal::kInner>(n, D, J, ds.data(), Sp, x.k.row(b, hk, 0), x.k.ss, x.dq.row(b, h, i0),
+                                            x.dq.ss, i0);
+        gemm<true, true, Causal::kInnerFrom>(J, D, n, ds.data(), Sp, x.q.row(b, h, i0), x.q.ss, x.dk.row(b, hk, 0),
+                                              x.dk.ss, i0);
+        gemm<true, true, Causal::kInnerFrom>(J, D, n, s.data(), Sp, x.grad.row(b, h, i0), x.grad.ss,
+                                              x.dv.row(b, hk, 0), x.dv.ss, i0);
       }
     }
   }
