@@ -49,6 +49,28 @@ def test_linear_is_f_linear_bit_for_bit(monkeypatch, shape, out):
     assert w.grad.abs().max() > 1
 
 
+def test_a_pass_leaves_no_reference_cycle_holding_its_tensors():
+    """A deferred gradient's task, its closure and the pass referred to each other: each step's saved
+    tensors then lived until a garbage collection (~20 MB a default-recipe step, 12 ms pauses)."""
+    import gc
+    import weakref
+
+    x, w = torch.randn(64, 32, requires_grad=True), torch.randn(16, 32, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        with weight_grads_beside():
+            y = linear(x * 1.0, w)  # the product is saved for the weight gradient, and only there
+            saved = weakref.ref(y.grad_fn.saved_tensors[0])
+            y.sum().backward()
+        del y
+        assert saved() is None  # freed by reference counting, no collection needed
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+    assert w.grad is not None and w.grad.abs().max() > 1
+
+
 def test_linear_outside_a_pass_or_under_autocast_is_f_linear():
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
     assert not weight_grads_active()

@@ -63,6 +63,9 @@ class _Task:
         except BaseException as exc:  # handed to the caller, which raises it
             self.error = exc
         finally:
+            # drop the call and what it holds now: a deferred weight gradient's closure refers to its pass,
+            # which lists this task, and that cycle kept each step's saved tensors until a collection
+            self.fn = None
             self.done.set()
 
 
