@@ -1,5 +1,5 @@
-// Shared by the SwiGLU and attention kernels: exp for float in a form the compiler vectorises
-// (glibc's vector expf needs -ffast-math), a Cephes-style polynomial within 2 ulp of expf; and the
+// Shared by the SwiGLU and attention kernels: GCC vector types of eight floats; exp for one float or
+// eight (glibc's vector expf needs -ffast-math), a Cephes-style polynomial within 2 ulp of expf; and the
 // AVX2+FMA target their loops are compiled for besides the default one. GCC's target_clones cannot
 // ask for two features in one clone (and "arch=haswell" is never picked on AMD), so the callers pick
 // with has_avx2_fma() at run time; MOETRON_NO_FMA=1 in the environment picks the default loops (tests
@@ -13,29 +13,6 @@
 namespace moetron {
 namespace {  // one copy per source file: each compiles it with its own optimisation pragmas
 
-__attribute__((always_inline)) inline float exp_poly(float x) {
-  // each clamp one max/min instruction (a nested ternary compiles to compares and blends)
-  x = -87.0f > x ? -87.0f : x;
-  x = 88.0f < x ? 88.0f : x;
-  const float fx = x * 1.44269504088896341f;
-  const float fn = (fx + 12582912.0f) - 12582912.0f;  // rounded to the nearest integer (|fx| < 2^22): two adds
-  const int32_t n = static_cast<int32_t>(fn);
-  float r = x - fn * 0.693359375f;
-  r = r - fn * -2.12194440e-4f;
-  const float z = r * r;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * z + r + 1.0f;
-  const int32_t bits = (n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 // Eight floats in GCC's vector types: AVX registers in the AVX2+FMA loops, pairs of SSE registers in the
 // default ones. (Passed by value only between always_inline functions: no ABI involved.)
 typedef float vec8 __attribute__((vector_size(32)));
@@ -48,29 +25,40 @@ __attribute__((always_inline)) inline vec8 load8(const float* p) {
 }
 __attribute__((always_inline)) inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// exp_poly's steps on eight lanes. A loop calling exp_poly vectorises, but GCC if-converts the clamps
-// into compare-and-blend chains that it carries through what follows (a sigmoid's division): a SiLU
-// loop ran 2.7x slower than this (1.86 vs 0.68 ns an element on the development VM).
-__attribute__((always_inline)) inline vec8 exp8(vec8 x) {
-  const vec8 lo = vec8{} - 87.0f, hi = vec8{} + 88.0f;
-  x = x < lo ? lo : x;
+__attribute__((always_inline)) inline int32_t to_int32(float x) { return static_cast<int32_t>(x); }
+__attribute__((always_inline)) inline ivec8 to_int32(vec8 x) { return __builtin_convertvector(x, ivec8); }
+
+// The steps of exp for one float or eight (T = float or vec8); the same operations either way.
+template <typename T>
+__attribute__((always_inline)) inline T exp_steps(T x) {
+  const T lo = T{} - 87.0f, hi = T{} + 88.0f;
+  x = x < lo ? lo : x;  // each clamp one max/min instruction (a nested ternary compiles to compares and blends)
   x = x > hi ? hi : x;
-  const vec8 fx = x * 1.44269504088896341f;
-  const vec8 fn = (fx + 12582912.0f) - 12582912.0f;
-  const ivec8 n = __builtin_convertvector(fn, ivec8);
-  vec8 r = x - fn * 0.693359375f;
+  const T fx = x * 1.44269504088896341f;
+  const T fn = (fx + 12582912.0f) - 12582912.0f;  // rounded to the nearest integer (|fx| < 2^22): two adds
+  const auto n = to_int32(fn);
+  T r = x - fn * 0.693359375f;
   r = r - fn * -2.12194440e-4f;
-  const vec8 z = r * r;
-  vec8 p = vec8{} + 1.9875691500e-4f;
+  const T z = r * r;
+  T p = T{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * z + r + 1.0f;
-  const ivec8 bits = (n + 127) << 23;
-  return p * (vec8)bits;  // a vector cast reinterprets the bits
+  const auto bits = (n + 127) << 23;
+  T scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
+
+__attribute__((always_inline)) inline float exp_poly(float x) { return exp_steps(x); }
+
+// exp_poly on eight lanes. A loop calling exp_poly vectorises, but GCC if-converts the clamps into
+// compare-and-blend chains that it carries through what follows (a sigmoid's division): a SiLU loop
+// ran 2.7x slower than one written on vec8 (1.86 vs 0.68 ns an element on the development VM).
+__attribute__((always_inline)) inline vec8 exp8(vec8 x) { return exp_steps(x); }
 
 // The sum of a vector's lanes, in lane order.
 __attribute__((always_inline)) inline float lane_sum(vec8 v) {

@@ -99,7 +99,7 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     if backend == "eager":
         return _eager(q, _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1]), scale)
     if Sq == Sk and fusion_mode() == "cpp" and attention_cpu.applies(q, k, v):
-        return attention_cpu.CausalAttention.apply(q, k, v, scale)  # small heads: moetron's C++ kernel
+        return attention_cpu.CausalAttention.apply(q, k, v, scale)  # moetron's C++ kernel (fp32 CPU)
     # On the CPU, SDPA reads each kv head for its group of query heads itself (enable_gqa): no
     # repeated copies of k and v nor their backward sums, the same output bit for bit.
     gqa = q.device.type == "cpu" and k.shape[1] != q.shape[1]
