@@ -150,6 +150,14 @@ __attribute__((always_inline)) inline void transpose(const View& x, int64_t b, i
   for (int64_t d = 0; d < D; ++d) std::fill(xt + d * Sp + S, xt + (d + 1) * Sp, 0.0f);
 }
 
+// A kv head's rows copied to [S, D + 16]: the b operand of p v and ds k, read a 16-float column panel at a
+// time down all the keys; the model's layout puts them Hk * D floats apart (1 KiB at the mid-size proxy),
+// where the panel's lines share a few cache sets.
+__attribute__((always_inline)) inline void pack_rows(const View& x, int64_t b, int64_t hk, int64_t S, int64_t D,
+                                                     float* __restrict xc) {
+  for (int64_t j = 0; j < S; ++j) std::memcpy(xc + j * (D + kTileCols), x.row(b, hk, j), D * sizeof(float));
+}
+
 // Scaled scores of n rows (row r's key limit i0 + r), then each row's probabilities and log-sum-exp; zeros
 // from the diagonal to J = i0 + n, which the products after read.
 __attribute__((always_inline)) inline void softmax_rows(float* __restrict s, int64_t Sp, int64_t i0, int64_t n,
@@ -185,17 +193,19 @@ __attribute__((always_inline)) inline void softmax_rows(float* __restrict s, int
 __attribute__((always_inline)) inline void forward_range(const Args& x, int64_t begin, int64_t end) {
   const int64_t S = x.S, D = x.D, Sp = row_stride(S), group = x.H / x.Hk;
   std::vector<float> kt(static_cast<size_t>(D * Sp)), s(static_cast<size_t>(kStripe * Sp));
+  std::vector<float> vc(static_cast<size_t>(S * (D + kTileCols)));
   float inv[kStripe];
   for (int64_t t = begin; t < end; ++t) {
     const int64_t b = t / x.Hk, hk = t % x.Hk;
     transpose(x.k, b, hk, S, D, Sp, kt.data());
+    pack_rows(x.v, b, hk, S, D, vc.data());
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t i0 = 0; i0 < S; i0 += kStripe) {
         const int64_t n = std::min(kStripe, S - i0), J = i0 + n;
         gemm<false, false, Causal::kColumns>(n, padded(J), D, x.q.row(b, h, i0), x.q.ss, kt.data(), Sp, s.data(), Sp,
                                              i0);
         softmax_rows(s.data(), Sp, i0, n, x.scale, x.lse + (b * x.H + h) * S + i0, inv);
-        gemm<false, false, Causal::kInner>(n, D, J, s.data(), Sp, x.v.row(b, hk, 0), x.v.ss, x.out.row(b, h, i0),
+        gemm<false, false, Causal::kInner>(n, D, J, s.data(), Sp, vc.data(), D + kTileCols, x.out.row(b, h, i0),
                                             x.out.ss, i0);
         for (int64_t r = 0; r < n; ++r) {
           float* o = x.out.row(b, h, i0 + r);
@@ -210,10 +220,12 @@ __attribute__((always_inline)) inline void backward_range(const Args& x, int64_t
   const int64_t S = x.S, D = x.D, Sp = row_stride(S), group = x.H / x.Hk;
   std::vector<float> kt(static_cast<size_t>(D * Sp)), vt(static_cast<size_t>(D * Sp));
   std::vector<float> s(static_cast<size_t>(kStripe * Sp)), ds(static_cast<size_t>(kStripe * Sp));
+  std::vector<float> kc(static_cast<size_t>(S * (D + kTileCols)));
   for (int64_t t = begin; t < end; ++t) {
     const int64_t b = t / x.Hk, hk = t % x.Hk;
     transpose(x.k, b, hk, S, D, Sp, kt.data());
     transpose(x.v, b, hk, S, D, Sp, vt.data());
+    pack_rows(x.k, b, hk, S, D, kc.data());
     for (int64_t j = 0; j < S; ++j) {
       std::fill(x.dk.row(b, hk, j), x.dk.row(b, hk, j) + D, 0.0f);
       std::fill(x.dv.row(b, hk, j), x.dv.row(b, hk, j) + D, 0.0f);
@@ -248,7 +260,7 @@ __attribute__((always_inline)) inline void backward_range(const Args& x, int64_t
           std::fill(pr + last + 1, pr + J, 0.0f);
           std::fill(dr + last + 1, dr + J, 0.0f);
         }
-        gemm<false, false, Causal::kInner>(n, D, J, ds.data(), Sp, x.k.row(b, hk, 0), x.k.ss, x.dq.row(b, h, i0),
+        gemm<false, false, Causal::kInner>(n, D, J, ds.data(), Sp, kc.data(), D + kTileCols, x.dq.row(b, h, i0),
                                             x.dq.ss, i0);
         gemm<true, true, Causal::kInnerFrom>(J, D, n, ds.data(), Sp, x.q.row(b, h, i0), x.q.ss, x.dk.row(b, hk, 0),
                                               x.dk.ss, i0);
