@@ -3,9 +3,11 @@
 torch's CPU flash kernel calls a GEMM per block of 32 queries and makes a softmax pass over a scores
 buffer. At a small model's shapes (default recipe: head dim 16, 128 positions) those calls cost more
 than the arithmetic; `moetron/csrc/causal_attention_cpu.cpp` runs stripes of 24 queries through one
-register-tiled micro-GEMM, 0.4-0.6x torch's time up to 512 positions. Each stripe reads all of its
-kv head's keys, so once they outgrow L2 (positions x head dim > 2^17 floats) torch's key-blocked
-kernel wins (1.9x faster at 4096 x 128): those shapes keep SDPA (docs/performance.md). GQA is native (each kv head's query heads in turn, no repeated k/v). Each
+register-tiled micro-GEMM: 0.4-0.7x torch's time up to positions x head dim = 2^17 floats. Each
+stripe reads all of its kv head's keys, so past that (keys beyond L2) torch's key-blocked kernel
+catches up (even at 2^18, 1.9x faster at 4096 x 128 before the buffers' strides were padded): those
+shapes keep SDPA (docs/performance.md). GQA is native (each kv head's query heads in turn, no
+repeated k/v). Each
 (sequence, kv head) is a task of its own, on torch's intra-op threads or, for a small model with a
 helper (kernels/threads.py), taken one by one by the caller and a helper task, so a helper that another
 process keeps off its core costs nothing; any split gives the bits of one thread.
