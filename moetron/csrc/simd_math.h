@@ -14,7 +14,9 @@ namespace moetron {
 namespace {  // one copy per source file: each compiles it with its own optimisation pragmas
 
 // Eight floats in GCC's vector types: AVX registers in the AVX2+FMA loops, pairs of SSE registers in the
-// default ones. (Passed by value only between always_inline functions: no ABI involved.)
+// default ones. They are passed by value only between always_inline functions, so no ABI is involved and
+// GCC's note that one would change without AVX does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
 typedef float vec8 __attribute__((vector_size(32)));
 typedef int32_t ivec8 __attribute__((vector_size(32)));
 
