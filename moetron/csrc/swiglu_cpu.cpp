@@ -60,9 +60,9 @@ void check_args(const Tensor& gate_up, const Tensor& probs, const char* where) {
 
 int64_t grain_rows(int64_t F) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(F, 1)); }
 
-// The row loops, templated on the element type. For fp32 (the CPU training dtype) they are also
-// compiled for AVX2 with FMA and picked at run time (simd_math.h), since the default x86-64 target
-// vectorises only 4 lanes wide and without fused multiply-adds.
+// The row loops for bf16, fp16 and fp64, templated on the element type. fp32 (the CPU training dtype)
+// takes the vector loops below, compiled for AVX2 with FMA too and picked at run time (simd_math.h),
+// since the default x86-64 target vectorises only 4 lanes wide and without fused multiply-adds.
 template <typename scalar_t>
 __attribute__((always_inline)) inline void forward_rows(const scalar_t* in, const float* w, scalar_t* o, int64_t begin, int64_t end, int64_t F) {
   using acc_t = acc_of<scalar_t>;

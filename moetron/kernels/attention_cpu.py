@@ -5,12 +5,11 @@ buffer. At a small model's shapes (default recipe: head dim 16, 128 positions) t
 than the arithmetic; `moetron/csrc/causal_attention_cpu.cpp` runs stripes of 24 queries through one
 register-tiled micro-GEMM: 0.4-0.7x torch's time up to positions x head dim = 2^17 floats. Each
 stripe reads all of its kv head's keys, so past that (keys beyond L2) torch's key-blocked kernel
-catches up (even at 2^18, 1.9x faster at 4096 x 128 before the buffers' strides were padded): those
-shapes keep SDPA (docs/performance.md). GQA is native (each kv head's query heads in turn, no
-repeated k/v). Each
-(sequence, kv head) is a task of its own, on torch's intra-op threads or, for a small model with a
-helper (kernels/threads.py), taken one by one by the caller and a helper task, so a helper that another
-process keeps off its core costs nothing; any split gives the bits of one thread.
+catches up, and those shapes keep SDPA (docs/performance.md). GQA is native (each kv head's query
+heads in turn, no repeated k/v). Each (sequence, kv head) is a task of its own, on torch's intra-op
+threads or, for a small model with a helper (kernels/threads.py), taken one by one by the caller and
+a helper task, so a helper that another process keeps off its core costs nothing; any split gives the
+bits of one thread.
 Sums run in another order than torch's kernel: within a few ulp of it (tests/test_causal_attention.py).
 `ops.attention_core` routes here under `set_fusion("cpp")` (the trainer's CPU default).
 """
@@ -33,7 +32,7 @@ def ops():
 
 
 def head_dim_runs(d: int) -> bool:
-    """Whether the kernel is compiled for head dim d."""
+    """Whether the kernel runs head dim d (its register tile is 16 floats wide)."""
     return 0 < d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0
 
 
