@@ -123,6 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="moetron's expert activation kernel (moetron/kernels/fused_swiglu.py)")
     p.add_argument("--profile", action="store_true",
                    help="after timing, print torch.profiler op tables of moetron and the ceiling")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="with --profile: moetron's profiled call as a Chrome trace (gzip-compressed if FILE ends in .gz)")
     args = p.parse_args(argv)
     given = argv if argv is not None else sys.argv[1:]
     if args.quick:
@@ -323,13 +325,16 @@ def check_agreement(layer, blocks, x, dy) -> list[list[str]]:
 
 # --- profile ---------------------------------------------------------------------------
 
-def profile_table(step, rows: int = 20, cuda: bool = False) -> str:
+def profile_table(step, rows: int = 20, cuda: bool = False, trace: str | None = None) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         step()
+    if trace:
+        from profile_step import write_trace
+        write_trace(prof, trace)
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=sort, row_limit=rows)
 
@@ -472,7 +477,7 @@ def main(argv=None) -> dict[str, float]:
     if args.profile:
         by = "self CUDA time" if device.type == "cuda" else "self CPU time"
         print(f"\nprofile: {moe_name}, one forward+backward, by {by}")
-        print(profile_table(candidates[moe_name], cuda=device.type == "cuda"))
+        print(profile_table(candidates[moe_name], cuda=device.type == "cuda", trace=args.trace))
         if "ceiling" in candidates:
             print(f"profile: ceiling, one forward+backward, by {by}")
             print(profile_table(candidates["ceiling"], rows=10, cuda=device.type == "cuda"))

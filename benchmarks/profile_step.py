@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py --recipe qwen3-moe-tiny --set train.dtype=bf16 ...
     python benchmarks/profile_step.py --rows 30 --sort self_cpu_time_total
+    python benchmarks/profile_step.py ... --trace step.json.gz    # also a Chrome trace (chrome://tracing, Perfetto)
 
 Builds the run exactly as `moetron train` does (same overrides, OpenMP wait policy and host choices),
 runs `--warmup` steps, then profiles `--steps` steps and prints the op table (device time on a GPU,
@@ -27,6 +28,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--sort", default=None, help="profiler column to sort by (default: device or CPU self time)")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write the profiled steps as a Chrome trace (gzip-compressed when FILE ends in .gz)")
     args = p.parse_args(argv)
 
     from torch.profiler import ProfilerActivity, profile
@@ -62,9 +65,27 @@ def main(argv=None) -> None:
     wall = (time.perf_counter() - start) / args.steps
     sort = args.sort or ("self_cuda_time_total" if cuda else "self_cpu_time_total")
     print(prof.key_averages().table(sort_by=sort, row_limit=args.rows))
+    if args.trace:
+        write_trace(prof, args.trace)
     tokens = t.micro_batch_size * t.seq_len * t.grad_accum
     print(f"{args.steps} profiled steps: {wall * 1e3:.1f} ms/step (profiler on), {tokens / wall:.0f} tok/s, "
           f"{flops * tokens / wall / 1e12:.1f} TFLOP/s of model FLOPs; last loss {metrics['loss']:.4f}")
+
+
+def write_trace(prof, path: str) -> None:
+    """The profile as a Chrome trace; gzip-compressed when `path` ends in .gz (traces shrink ~10x)."""
+    import gzip
+    import shutil
+    import tempfile
+
+    if not path.endswith(".gz"):
+        prof.export_chrome_trace(path)
+    else:
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            prof.export_chrome_trace(tmp.name)
+            with open(tmp.name, "rb") as src, gzip.open(path, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    print(f"trace written to {path}")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,36 @@ def test_triton_permute_matches_reference_bitwise(dtype, pad_multiple):
         assert torch.equal(a, b), f"triton vs torch {name} ({dtype}, pad {pad_multiple}): max diff {(a.double() - b.double()).abs().max()}"
 
 
+# ------------------------------------------------------------------ weighted SwiGLU (Triton)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_weighted_swiglu_matches_fp64(dtype):
+    """The compiled Triton SwiGLU(+routing weights), forward and backward, vs float64 math on the same
+    inputs: within the reference expression's own error in this dtype (bf16: a few bf16 ulp)."""
+    from moetron.kernels.fused_swiglu import weighted_swiglu_reference
+    from moetron.ops.functional import weighted_swiglu
+
+    g = torch.Generator(device=DEV).manual_seed(4)
+    N, F = 4099, 1000  # N, F not multiples of any block size
+    gate_up = (torch.randn(N, 2 * F, device=DEV, generator=g) * 3).to(dtype)
+    probs = torch.rand(N, device=DEV, generator=g)
+    dy = torch.randn(N, F, device=DEV, generator=g).to(dtype)
+    results = {}
+    for name, fn in (("triton", lambda a, b: weighted_swiglu(a, b, impl="triton")),
+                     ("torch", weighted_swiglu_reference), ("fp64", weighted_swiglu_reference)):
+        wide = name == "fp64"
+        a = (gate_up.double() if wide else gate_up.clone()).requires_grad_()
+        b = (probs.double() if wide else probs.clone()).requires_grad_()
+        out = fn(a, b)
+        out.backward(dy.double() if wide else dy)
+        results[name] = (out.detach(), a.grad, b.grad)
+    assert results["fp64"][0].abs().max() > 1
+    for i, what in enumerate(("output", "d gate_up", "d probs")):
+        err, ref_err = _rel(results["triton"][i], results["fp64"][i]), _rel(results["torch"][i], results["fp64"][i])
+        print(f"weighted SwiGLU {dtype} {what}: triton {err:.2e}, torch reference {ref_err:.2e} (vs fp64)")
+        assert err <= max(2 * ref_err, 1e-6), (what, err, ref_err)
+
+
 # ------------------------------------------------------------------ grouped GEMM + MoE layer
 
 def test_grouped_linear_backends_agree_on_cuda_bf16():

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Everything a lent GPU should run, in one go: the CUDA tests, then the GPU benchmarks of issue 16.
+#
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh            # from the repository root, on the GPU machine
+#   PEERS=.peers OUT=... bash benchmarks/gpu_session.sh    # a folder of torchtitan / megatron-core for moe_layer.py
+#   STEPS="tests moe train_step trainer" ...               # a subset, in that order (the default)
+#   STEPS="profile compile" ...                            # profiles with Chrome traces; the trainer compiled
+#
+# Runs from the source tree (PYTHONPATH, no install) with the machine's own torch. Each part has its
+# own time limit, so one that hangs leaves the others their time; every part's log is $OUT/<part>.txt
+# and the last lines of each are printed at the end. The trainer part runs the Qwen3-MoE proxy of
+# issue 16 (8 layers, H1024, 64 experts top-8: 1.30 B parameters, 240 M active; 4x2048 tokens, bf16).
+set -u
+OUT=${OUT:-/tmp/moetron-gpu}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PEERS:+:$PWD/$PEERS}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+STEPS=${STEPS:-"tests moe train_step trainer"}
+PROXY="--set model.hidden_size=1024 --set model.num_layers=8 --set model.num_attention_heads=16
+ --set model.num_kv_heads=4 --set model.head_dim=64 --set model.intermediate_size=3072
+ --set model.moe_intermediate_size=768 --set model.num_experts=64 --set model.top_k=8
+ --set model.vocab_size=32768 --set model.max_position_embeddings=4096 --set train.seq_len=2048
+ --set train.micro_batch_size=4 --set train.device=cuda --set train.dtype=bf16 --set train.peak_tflops=989"
+
+part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.txt
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS
+    echo "=== $name: $*" | tee "$OUT/$name.txt"
+    timeout "$limit" "$@" >> "$OUT/$name.txt" 2>&1
+    echo "=== $name: rc $? after $((SECONDS - start)) s" | tee -a "$OUT/$name.txt"
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  $PY -c "import torch, triton, transformers, platform; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'triton', triton.__version__, 'transformers', transformers.__version__, 'python', platform.python_version(),
+torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
+  git log -1 --format='moetron %h %s' 2>/dev/null || true; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+for step in $STEPS; do
+    case $step in
+    tests) part tests 180 $PY -m pytest tests/test_cuda.py -q -rs -p no:cacheprovider -s ;;
+    moe) part moe_layer 100 $PY benchmarks/moe_layer.py --device cuda --dtype bf16 --tokens 16384 --hidden 2048 \
+             --ffn 1024 --experts 64 --topk 8 --skip "hf eager" --repeats 20 --warmup 3 --profile ;;
+    train_step) part train_step 150 $PY benchmarks/train_step.py --device cuda --dtype bf16 --sizes tiny,mid,proxy \
+             --repeats 9 --warmup 3 --peak-tflops 989 ;;
+    trainer) part trainer 100 $PY -m moetron train $PROXY --set train.steps=30 --set train.log_every=1 ;;
+    profile) part profile_moe 100 $PY benchmarks/moe_layer.py --device cuda --dtype bf16 --tokens 16384 --hidden 2048 \
+                 --ffn 1024 --experts 64 --topk 8 --skip hf torchtitan megatron-core --repeats 10 --profile \
+                 --trace "$OUT/moe_layer_trace.json.gz"
+             part profile_step 120 $PY benchmarks/profile_step.py $PROXY --warmup 4 --steps 2 --rows 45 \
+                 --trace "$OUT/proxy_step_trace.json.gz" ;;
+    compile) part compile 180 $PY -m moetron train $PROXY --set train.fusion=compile --set train.steps=25 \
+                 --set train.log_every=1 ;;
+    *) echo "unknown step $step" ;;
+    esac
+done
+
+echo; echo "##### summary"
+for f in tests moe_layer train_step trainer profile_moe profile_step compile; do
+    [ -f "$OUT/$f.txt" ] || continue
+    echo "----- $f"
+    case $f in
+    tests) grep -E "passed|failed|error|SKIPPED|^(bf16|FP8|grouped|trainer)" "$OUT/$f.txt" | tail -25 ;;
+    moe_layer) grep -E -A14 "^candidate" "$OUT/$f.txt"; grep -E -A22 "^profile: moetron" "$OUT/$f.txt" ;;
+    train_step) grep -E -A6 "^size" "$OUT/$f.txt" ;;
+    trainer|compile) grep -E "^(recipe|memory|step +(1|5|10|15|20|25|30)/|done)" "$OUT/$f.txt" ;;
+    profile_moe) grep -E -A4 "^candidate" "$OUT/$f.txt" ;;
+    profile_step) grep -E -B2 -A48 "^-+ +-+" "$OUT/$f.txt" | cut -c1-58,118-200 | head -52; grep "profiled steps" "$OUT/$f.txt" ;;
+    esac
+    tail -1 "$OUT/$f.txt"
+done
