@@ -4,7 +4,9 @@
 #   OUT=/tmp/gpu bash benchmarks/gpu_session.sh            # from the repository root, on the GPU machine
 #   PEERS=.peers OUT=... bash benchmarks/gpu_session.sh    # a folder of torchtitan / megatron-core for moe_layer.py
 #   STEPS="tests moe train_step trainer" ...               # a subset, in that order (the default)
-#   STEPS="profile compile" ...                            # profiles with Chrome traces; the trainer compiled
+#   SIZES=mid,proxy ...                                    # train_step.py's sizes (default tiny,mid,proxy)
+#   STEPS="profile compile" ...                            # the trainer's profile (Chrome trace); compiled
+#   STEPS="trainer trainer_eager trainer_sync" ...         # A/B: Triton vs eager RMSNorm, deferred vs immediate logs
 #
 # Runs from the source tree (PYTHONPATH, no install) with the machine's own torch. Each part has its
 # own time limit, so one that hangs leaves the others their time; every part's log is $OUT/<part>.txt
@@ -41,14 +43,18 @@ for step in $STEPS; do
     case $step in
     tests) part tests 180 $PY -m pytest tests/test_cuda.py -q -rs -p no:cacheprovider -s ;;
     moe) part moe_layer 100 $PY benchmarks/moe_layer.py --device cuda --dtype bf16 --tokens 16384 --hidden 2048 \
-             --ffn 1024 --experts 64 --topk 8 --skip "hf eager" --repeats 20 --warmup 3 --profile ;;
-    train_step) part train_step 150 $PY benchmarks/train_step.py --device cuda --dtype bf16 --sizes tiny,mid,proxy \
+             --ffn 1024 --experts 64 --topk 8 --skip "hf eager" --repeats 20 --warmup 3 --profile \
+             --trace "$OUT/moe_layer_trace.json.gz" ;;
+    train_step) part train_step 150 $PY benchmarks/train_step.py --device cuda --dtype bf16 --sizes "${SIZES:-tiny,mid,proxy}" \
              --repeats 9 --warmup 3 --peak-tflops 989 ;;
     trainer) part trainer 100 $PY -m moetron train $PROXY --set train.steps=30 --set train.log_every=1 ;;
-    profile) part profile_moe 100 $PY benchmarks/moe_layer.py --device cuda --dtype bf16 --tokens 16384 --hidden 2048 \
-                 --ffn 1024 --experts 64 --topk 8 --skip hf torchtitan megatron-core --repeats 10 --profile \
-                 --trace "$OUT/moe_layer_trace.json.gz"
-             part profile_step 120 $PY benchmarks/profile_step.py $PROXY --warmup 4 --steps 2 --rows 45 \
+    # A/B of two of the trainer's GPU choices on the same machine: eager RMSNorm, and each step's line
+    # logged at once (the host waits for the step's last kernel before launching the next forward)
+    trainer_eager) part trainer_eager 100 $PY -m moetron train $PROXY --set train.fusion=none --set train.steps=30 \
+                       --set train.log_every=1 ;;
+    trainer_sync) part trainer_sync 100 $PY -c "import sys, moetron.train.trainer as t; t.DEFER_STEP_LOG = False
+from moetron.cli import main; sys.exit(main(sys.argv[1:]))" train $PROXY --set train.steps=30 --set train.log_every=1 ;;
+    profile) part profile_step 120 $PY benchmarks/profile_step.py $PROXY --warmup 4 --steps 2 --rows 45 \
                  --trace "$OUT/proxy_step_trace.json.gz" ;;
     compile) part compile 180 $PY -m moetron train $PROXY --set train.fusion=compile --set train.steps=25 \
                  --set train.log_every=1 ;;
@@ -57,16 +63,15 @@ for step in $STEPS; do
 done
 
 echo; echo "##### summary"
-for f in tests moe_layer train_step trainer profile_moe profile_step compile; do
+for f in tests moe_layer train_step trainer trainer_eager trainer_sync profile_step compile; do
     [ -f "$OUT/$f.txt" ] || continue
     echo "----- $f"
     case $f in
-    tests) grep -E "passed|failed|error|SKIPPED|^(bf16|FP8|grouped|trainer)" "$OUT/$f.txt" | tail -25 ;;
-    moe_layer) grep -E -A14 "^candidate" "$OUT/$f.txt"; grep -E -A22 "^profile: moetron" "$OUT/$f.txt" ;;
+    tests) grep -E "passed|failed|error|SKIPPED|^(bf16|FP8|grouped|trainer)" "$OUT/$f.txt" | tail -12 ;;
+    moe_layer) grep -E -A7 "^candidate" "$OUT/$f.txt"; grep -E "^moetron:" "$OUT/$f.txt" ;;
     train_step) grep -E -A6 "^size" "$OUT/$f.txt" ;;
-    trainer|compile) grep -E "^(recipe|memory|step +(1|5|10|15|20|25|30)/|done)" "$OUT/$f.txt" ;;
-    profile_moe) grep -E -A4 "^candidate" "$OUT/$f.txt" ;;
-    profile_step) grep -E -B2 -A48 "^-+ +-+" "$OUT/$f.txt" | cut -c1-58,118-200 | head -52; grep "profiled steps" "$OUT/$f.txt" ;;
+    trainer*|compile) grep -E "^(recipe|memory|step +(1|5|10|15|20|25|30)/|done)" "$OUT/$f.txt" ;;
+    profile_step) grep "profiled steps" "$OUT/$f.txt" ;;
     esac
     tail -1 "$OUT/$f.txt"
 done

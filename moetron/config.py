@@ -236,10 +236,10 @@ class TrainConfig:
     num_layers_at_end_in_bf16: int = 1
     dtype: str = "fp32"  # parameters: fp32, or bf16 (with fp32 gradients, master weights and moments)
     device: str = "auto"  # auto (this rank's GPU when CUDA is available, else the CPU), cpu, cuda
-    # elementwise kernels: auto (cpp on a CPU without FP8, else none), none (eager reference), cpp (C++ RMSNorm, RoPE,
-    # the experts' weighted SwiGLU, the softmax top-k router and the causal attention core for fp32 head dims
-    # a multiple of 16 up to 128 where positions x head dim <= 2^17, CPU tensors),
-    # compile (torch.compile'd, same math)
+    # elementwise kernels: auto (cpp on a CPU, triton on a GPU, none under FP8), none (eager reference), cpp (C++
+    # RMSNorm, RoPE, the experts' weighted SwiGLU, the softmax top-k router and the causal attention core for fp32
+    # head dims a multiple of 16 up to 128 where positions x head dim <= 2^17, CPU tensors), triton (Triton
+    # RMSNorm, CUDA tensors), compile (torch.compile'd, same math)
     fusion: str = "auto"
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: "stop" (raise) or "skip" the update
     collective_timeout_s: float = 1800.0  # how long a collective waits for a dead or stuck rank
@@ -282,8 +282,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be >= 0")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"TrainConfig.dtype={self.dtype!r}: choose fp32 or bf16")
-        if self.fusion not in ("auto", "none", "cpp", "compile"):
-            raise ValueError(f"TrainConfig.fusion={self.fusion!r}: choose auto, none, cpp or compile")
+        if self.fusion not in ("auto", "none", "cpp", "triton", "compile"):
+            raise ValueError(f"TrainConfig.fusion={self.fusion!r}: choose auto, none, cpp, triton or compile")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"TrainConfig.device={self.device!r}: choose auto, cpu or cuda")
         if self.on_nonfinite not in ("stop", "skip"):

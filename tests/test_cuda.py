@@ -91,6 +91,43 @@ def test_triton_weighted_swiglu_matches_fp64(dtype):
         assert err <= max(2 * ref_err, 1e-6), (what, err, ref_err)
 
 
+# ------------------------------------------------------------------ RMSNorm (Triton)
+
+@pytest.mark.parametrize("N, D, xd, wd", [(8192, 1024, torch.bfloat16, torch.bfloat16),
+                                          (8192 * 16, 64, torch.bfloat16, torch.bfloat16),  # Qwen3's q/k norm
+                                          (4096, 2048, torch.bfloat16, torch.float32),
+                                          (1000, 20000, torch.bfloat16, torch.bfloat16),  # rows past one block
+                                          (513, 4096, torch.float16, torch.float16),
+                                          (4096, 40, torch.float32, torch.float32)])
+def test_triton_rmsnorm_matches_fp64(N, D, xd, wd):
+    """The compiled Triton RMSNorm (train.fusion=triton, auto's choice on a GPU), forward and backward, vs
+    float64 math with the reference's rounding of the normalised x: no worse than the eager reference."""
+    from moetron.kernels import triton_rmsnorm
+    from moetron.ops.functional import _rms_norm_ref
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    x = (torch.randn(N, D, device=DEV, generator=g) * torch.rand(N, 1, device=DEV, generator=g) * 4).to(xd)
+    w = (1 + 0.5 * torch.randn(D, device=DEV, generator=g)).to(wd)
+    dy = torch.randn(N, D, device=DEV, generator=g).to(torch.result_type(w, x))
+    assert triton_rmsnorm.applies(x, w)
+    got = {}
+    for name, fn in (("triton", triton_rmsnorm.RMSNormFunction.apply), ("torch", _rms_norm_ref)):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(xi, wi, 1e-6)
+        y.backward(dy)
+        got[name] = (y.detach(), xi.grad, wi.grad)
+    xs, ws = x.double().requires_grad_(), w.double().requires_grad_()
+    xh = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-6)
+    exact = ws * (xh + (xh.to(xd).double() - xh).detach())  # the forward's rounding, the exact gradient
+    exact.backward(dy.double())
+    want = (exact.detach(), xs.grad, ws.grad)
+    for i, what in enumerate(("output", "grad x", "grad weight")):
+        assert got["triton"][i].dtype == got["torch"][i].dtype, what
+        err, ref_err = _rel(got["triton"][i], want[i]), _rel(got["torch"][i], want[i])
+        print(f"RMSNorm {N}x{D} {xd}/{wd} {what}: triton {err:.2e}, torch reference {ref_err:.2e} (vs fp64)")
+        assert err <= max(2 * ref_err, 1e-6), (what, err, ref_err)
+
+
 # ------------------------------------------------------------------ grouped GEMM + MoE layer
 
 def test_grouped_linear_backends_agree_on_cuda_bf16():

@@ -510,6 +510,45 @@ def test_bf16_params_fp32_master_and_fp32_main_grad():
                for p, q in zip(model.parameters(), plain.parameters()))
 
 
+def test_bf16_main_grads_copy_first_add_then_and_zero_the_unused():
+    """zero_grad() leaves an all-bf16 buffer as it was: the first gradient of a step is copied in, later
+    micro-batches add, and a parameter without a gradient this step reads zero after finish_grad_sync(),
+    not last step's value. The sums equal fp32 additions onto zero."""
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, use_b=True):
+            y = self.a(x)
+            return self.b(y) if use_b else y
+
+    torch.manual_seed(0)
+    model = Two().to(torch.bfloat16)
+    ddp = DataParallel(model, use_distributed_optimizer=True, grad_dtype=torch.float32)
+    xs = [torch.randn(4, 8, dtype=torch.bfloat16) for _ in range(3)]
+
+    def loss(x, use_b=True):
+        return model(x, use_b).float().square().sum()
+
+    ddp.zero_grad()
+    loss(xs[0]).backward()
+    ddp.finish_grad_sync()
+    assert model.b.weight.main_grad.abs().sum() > 0  # step 1 wrote b's gradient
+    a = [model.a.weight, model.a.bias]
+    want = [g1.float() + g2.float() for g1, g2 in zip(torch.autograd.grad(loss(xs[1], False), a),
+                                                       torch.autograd.grad(loss(xs[2], False), a))]
+    ddp.zero_grad()
+    with ddp.no_sync():
+        loss(xs[1], use_b=False).backward()
+    loss(xs[2], use_b=False).backward()
+    ddp.finish_grad_sync()
+    for p, w in zip(a, want):
+        assert p.main_grad.abs().sum() > 0 and torch.equal(p.main_grad, w)
+    for p in (model.b.weight, model.b.bias):
+        assert torch.equal(p.main_grad, torch.zeros_like(p.main_grad))
+
+
 def test_nonfinite_norm_skips_the_step():
     model = tiny_model()
     ddp = DataParallel(model, use_distributed_optimizer=True)

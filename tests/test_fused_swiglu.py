@@ -14,13 +14,10 @@ no compiler or ninja is present. The Triton tests run under TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-
 import pytest
 import torch
 
+from triton_utils import load_triton_interpreted
 from moetron import MoEConfig, MoELayer
 from moetron.kernels import cpp_build
 from moetron.kernels import fused_swiglu as fs
@@ -29,22 +26,7 @@ from moetron.ops.functional import weighted_swiglu
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _load_triton_interpreted():
-    if importlib.util.find_spec("triton") is None:
-        return "python package 'triton' is not installed"
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = importlib.import_module("moetron.kernels.triton_swiglu")
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return None if module.INTERPRET else "moetron.kernels.triton_swiglu was imported without TRITON_INTERPRET=1"
-
-
-_TRITON_SKIP = _load_triton_interpreted()
+_TRITON_SKIP = load_triton_interpreted("moetron.kernels.triton_swiglu")[1]
 
 
 def require(impl):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moetron import ops
-from moetron.kernels import cpp_build, norm_rope_cpu, threads
+from moetron.kernels import availability, cpp_build, norm_rope_cpu, threads
 from moetron.ops import functional as fn
 
 pytestmark = pytest.mark.usefixtures("one_thread", "cpp_kernels")  # conftest.py
@@ -126,8 +126,12 @@ def test_other_dtypes_and_layouts_take_the_reference(fusion):
 
 def test_auto_takes_cpp_on_a_cpu_and_says_why_not_when_it_cannot(monkeypatch):
     assert ops.resolve_fusion("auto", torch.device("cpu")) == ("cpp", None)
-    assert ops.resolve_fusion("auto", torch.device("cuda")) == ("none", None)
+    if availability.triton_installed():  # the test extras install it
+        assert ops.resolve_fusion("auto", torch.device("cuda")) == ("triton", None)  # Triton RMSNorm on a GPU
+    assert ops.resolve_fusion("auto", torch.device("cuda"), fp8=True) == ("none", None)
     assert ops.resolve_fusion("compile", torch.device("cpu")) == ("compile", None)
+    with pytest.raises(ValueError, match="train.fusion=triton runs CUDA tensors, but this run is on cpu"):
+        ops.resolve_fusion("triton", torch.device("cpu"))
     assert ops.resolve_fusion("auto", torch.device("cpu"), fp8=True) == ("none", None)  # tests/test_fp8_tp.py
     assert ops.resolve_fusion("cpp", torch.device("cpu"), fp8=True) == ("cpp", None)  # by hand: as asked
     assert ops.resolve_fusion("auto", torch.device("cpu"), dtype=torch.bfloat16) == ("none", None)
@@ -135,6 +139,13 @@ def test_auto_takes_cpp_on_a_cpu_and_says_why_not_when_it_cannot(monkeypatch):
         ops.resolve_fusion("cpp", torch.device("cpu"), dtype=torch.bfloat16)  # it would never run: refused
     with pytest.raises(ValueError, match="train.fusion=cpp runs CPU tensors"):
         ops.resolve_fusion("cpp", torch.device("cuda"))
+
+    monkeypatch.setattr(availability, "triton_installed", lambda: False)
+    mode, notice = ops.resolve_fusion("auto", torch.device("cuda"))
+    assert mode == "none" and "pip install triton" in notice
+    with pytest.raises(ValueError, match="train.fusion=triton needs the triton package: pip install triton"):
+        ops.resolve_fusion("triton", torch.device("cuda"))
+    monkeypatch.undo()
 
     def no_compiler():
         raise cpp_build.CppBuildError("no C++ compiler: 'c++' is not on PATH (install g++ or set CXX)")

@@ -16,37 +16,18 @@ module is imported) and skip when triton is not installed.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
 import warnings
 
 import pytest
 import torch
 
+from triton_utils import load_triton_interpreted
 from moetron.dispatch import permute as permute_impls
 from moetron.dispatch.permute import permute, unpermute
 from moetron.kernels import cpp_build
 
 
-def _load_triton_interpreted():
-    if importlib.util.find_spec("triton") is None:
-        return "python package 'triton' is not installed (CI installs only the test extras)"
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = importlib.import_module("moetron.kernels.triton_permute")
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    if not module.INTERPRET:
-        return "moetron.kernels.triton_permute was imported without TRITON_INTERPRET=1"
-    return None
-
-
-_TRITON_SKIP = _load_triton_interpreted()
+_TRITON_SKIP = load_triton_interpreted("moetron.kernels.triton_permute")[1]
 
 
 def require_cpp():

@@ -41,11 +41,17 @@ class Routing:
 
     @classmethod
     def from_topk(cls, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                  capacity: int | None = None, dropless: bool = False) -> "Routing":
+                  capacity: int | None = None, dropless: bool = False,
+                  counts: torch.Tensor | None = None) -> "Routing":
         """Build a Routing from indices (-1 = dropped) and weights, counting tokens per expert.
-        `dropless=True` promises that `topk_idx` holds no -1 (the router knows; checking would sync)."""
-        counts = count_per_expert(topk_idx, num_experts)
-        weights = topk_weights.float().masked_fill(topk_idx < 0, 0.0)
+        `dropless=True` promises that `topk_idx` holds no -1 (the router knows; checking would sync);
+        then `counts` may be the router's own `count_per_expert(topk_idx)`, and no weight needs masking
+        (on a GPU each op skipped is a launch the host no longer waits for)."""
+        if counts is None or not dropless:
+            counts = count_per_expert(topk_idx, num_experts)
+        weights = topk_weights.float()
+        if not dropless:
+            weights = weights.masked_fill(topk_idx < 0, 0.0)
         return cls(topk_idx, weights, counts, num_experts, capacity, dropless)
 
 

@@ -371,9 +371,10 @@ def _eager_router(out: LayerActivations, moe_cfg, T: int, B: int, k: int) -> Non
     elif moe_cfg.norm_topk_prob:
         out.add("router weight normalisation", T * k * 4 + T * 4)  # div: weights and their sum
     if moe_cfg.aux_loss_type != "none" and moe_cfg.aux_loss_coeff > 0:
-        out.add("aux loss probabilities", T * E * 4)  # softmax, or sigmoid scores / their sum
-        if moe_cfg.score_func != "softmax":
-            out.add("aux loss probabilities", T * 4)
+        if moe_cfg.score_func != "softmax":  # sigmoid scores / their sum
+            out.add("aux loss probabilities", T * E * 4 + T * 4)
+        elif not moe_cfg.softmax_before_topk:  # softmax of the logits (else: the router scores themselves)
+            out.add("aux loss probabilities", T * E * 4)
         if moe_cfg.aux_loss_type == "seq_aux_loss":
             out.add("aux loss counts", B * E * 4)  # per-sequence counts / seq_len
         else:
@@ -382,4 +383,4 @@ def _eager_router(out: LayerActivations, moe_cfg, T: int, B: int, k: int) -> Non
         out.add("z-loss logits and logsumexp", T * E * 4 + T * 4)
     if moe_cfg.capacity_factor is not None:
         out.add("capacity drop mask", T * k)
-    out.add("routing weights mask", T * k)  # Routing.from_topk masks dropped slots (bool)
+        out.add("routing weights mask", T * k)  # Routing.from_topk masks dropped slots (bool)

@@ -136,12 +136,15 @@ class TopKRouter(nn.Module):
             weights = weights * cfg.scaling_factor
         selected_counts = count_per_expert(topk_idx, cfg.num_experts)
 
-        weights, losses = self._balancing_losses(logits_TE, topk_idx, weights, selected_counts, seq_len)
+        # softmax scores are the probabilities the balancing losses measure: one softmax, not two
+        probs_TE = scores_TE if cfg.score_func == "softmax" and cfg.softmax_before_topk else None
+        weights, losses = self._balancing_losses(logits_TE, topk_idx, weights, selected_counts, seq_len, probs_TE)
         cap = None
         if cfg.capacity_factor is not None:
             cap = capacity(x_TH.shape[0], cfg.num_experts, cfg.top_k, cfg.capacity_factor)
             topk_idx, weights = drop_over_capacity(topk_idx, weights, cfg.num_experts, cap, cfg.drop_policy)
-        routing = Routing.from_topk(topk_idx, weights, cfg.num_experts, cap, dropless=cap is None)
+        routing = Routing.from_topk(topk_idx, weights, cfg.num_experts, cap, dropless=cap is None,
+                                    counts=selected_counts)
         bias_counts = routing.tokens_per_expert if cfg.bias_update_counts == "kept" else selected_counts
         return routing, losses, bias_counts
 
@@ -172,14 +175,15 @@ class TopKRouter(nn.Module):
             losses.values[cfg.aux_loss_type] = aux
         return Routing(topk_idx, weights, counts, E, None, dropless=True), losses, counts
 
-    def _balancing_losses(self, logits_TE, topk_idx, weights, counts_E, seq_len):
+    def _balancing_losses(self, logits_TE, topk_idx, weights, counts_E, seq_len, probs_TE=None):
         cfg = self.config
         losses = RouterLosses()
         if not (self.training and torch.is_grad_enabled()):
             return weights, losses
         cp = self.cp_group if self.cp_group is not None and self.cp_group.size > 1 else None
         if cfg.aux_loss_type != "none" and cfg.aux_loss_coeff > 0:
-            probs_TE = balancing.balance_probs(logits_TE, cfg.score_func)
+            if probs_TE is None:
+                probs_TE = balancing.balance_probs(logits_TE, cfg.score_func)
             if cfg.aux_loss_counts == "paper" and (self.expert_bias is not None or cfg.num_groups is not None):
                 # DeepSeek-V3's indicator: the top-k of the unbiased scores, no bias, no group limit.
                 topk_idx = torch.topk(probs_TE.detach(), cfg.top_k, dim=-1).indices

@@ -5,7 +5,9 @@ numerics). `set_fusion("compile")` routes the same calls through `torch.compile`
 versions of the same bodies, so a fused kernel never changes the math written
 here; `set_fusion("cpp")` sends fp32/fp64 CPU RMSNorm, RoPE and the experts' weighted SwiGLU
 to one C++ pass each way (moetron/kernels/norm_rope_cpu.py, fused_swiglu.py: RoPE bit for bit,
-the others within a few ulp), and the MoE router reads it too (moetron/kernels/fused_router.py).
+the others within a few ulp), and the MoE router reads it too (moetron/kernels/fused_router.py);
+`set_fusion("triton")` sends CUDA RMSNorm to one Triton kernel each way (moetron/kernels/triton_rmsnorm.py:
+on a GPU a step's eager norms were ~8 launches forward and ~12 backward each, with the host behind).
 Library kernels (Liger, Transformer Engine) plug in the same way.
 
 Eagerly (`none`), fp32 RMSNorm and halves-layout RoPE run as autograd Functions: the reference's
@@ -21,22 +23,28 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moetron.kernels import cpp_build, fused_swiglu, norm_rope_cpu
+from moetron.kernels import availability, cpp_build, fused_swiglu, norm_rope_cpu
 
-FUSION_MODES = ("none", "cpp", "compile")
+FUSION_MODES = ("none", "cpp", "triton", "compile")
 _mode = "none"
 _compiled: dict[str, Callable] = {}
+_triton_rmsnorm = None  # moetron.kernels.triton_rmsnorm, imported by set_fusion("triton")
 
 
 def set_fusion(mode: str) -> None:
     """Choose `none` (reference eager ops), `cpp` (C++ RMSNorm, RoPE and the experts' weighted
-    SwiGLU on CPU tensors, built on first use: raises `CppBuildError` when it cannot be) or `compile`
-    (torch.compile'd kernels)."""
-    global _mode
+    SwiGLU on CPU tensors, built on first use: raises `CppBuildError` when it cannot be), `triton`
+    (Triton RMSNorm on CUDA tensors; needs the triton package) or `compile` (torch.compile'd kernels)."""
+    global _mode, _triton_rmsnorm
     if mode not in FUSION_MODES:
         raise ValueError(f"fusion mode {mode!r} is unknown; choose one of {FUSION_MODES}")
     if mode == "cpp":
         norm_rope_cpu.ops()
+    if mode == "triton" and _triton_rmsnorm is None:
+        if not availability.triton_installed():
+            raise ValueError("fusion mode 'triton' needs the triton package (pip install triton)")
+        from moetron.kernels import triton_rmsnorm
+        _triton_rmsnorm = triton_rmsnorm
     _mode = mode
 
 
@@ -49,13 +57,25 @@ def resolve_fusion(mode: str, device: torch.device, fp8: bool = False,
     """The mode a run on `device` takes for `train.fusion=mode`, and a one-line notice or None.
 
     `auto`: `cpp` on a CPU when moetron's C++ library builds here (it holds the CPU grouped GEMM
-    too), else `none` with the reason; `none` on a GPU, and under FP8 (`fp8`): tensorwise and delayed
-    scales turn the kernels' few-ulp differences into a visible divergence between tensor-parallel
-    and one-process runs (tests/test_fp8_tp.py), which the eager reference keeps within its bounds.
-    `cpp` on a GPU, for bf16 parameters (the kernels take fp32 and fp64), or where it cannot build, is an
-    error naming the fix; `auto` runs those eager."""
+    too), else `none` with the reason; `triton` on a GPU when the triton package is installed, else
+    `none` with the reason; `none` under FP8 (`fp8`): tensorwise and delayed scales turn the kernels'
+    few-ulp differences into a visible divergence between tensor-parallel and one-process runs
+    (tests/test_fp8_tp.py), which the eager reference keeps within its bounds.
+    `cpp` on a GPU, for bf16 parameters (the kernels take fp32 and fp64), or where it cannot build, and
+    `triton` off a GPU or without the package, are errors naming the fix; `auto` runs those eager."""
     if mode not in ("auto", *FUSION_MODES):
         raise ValueError(f"train.fusion={mode!r} is unknown; choose auto or one of {FUSION_MODES}")
+    gpu = device.type == "cuda"
+    if mode == "triton" or (mode == "auto" and gpu and not fp8):
+        if not gpu:
+            raise ValueError(f"train.fusion=triton runs CUDA tensors, but this run is on {device.type}; "
+                             "use train.fusion=auto, none or compile")
+        if not availability.triton_installed():
+            if mode == "triton":
+                raise ValueError("train.fusion=triton needs the triton package: pip install triton "
+                                 "(or use train.fusion=auto, none or compile)")
+            return "none", "fusion: eager RMSNorm (python package 'triton' is not installed: pip install triton)"
+        return "triton", None
     if mode not in ("auto", "cpp"):
         return mode, None
     if mode == "auto" and (fp8 or dtype not in norm_rope_cpu.DTYPES):
@@ -174,6 +194,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return _dispatch("rms_norm", _rms_norm_ref)(x, weight, eps)
     if _mode == "cpp" and norm_rope_cpu.rms_norm_applies(x, weight):
         return norm_rope_cpu.RMSNormFunction.apply(x, weight, eps)
+    if _mode == "triton" and _triton_rmsnorm.applies(x, weight):
+        return _triton_rmsnorm.RMSNormFunction.apply(x, weight, eps)
     return _rms_norm_eager(x, weight, eps)
 
 

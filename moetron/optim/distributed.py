@@ -67,7 +67,12 @@ class _Shard:
         self.exp_avg_sq = torch.zeros_like(self.master)
 
     def gather_grads(self) -> torch.Tensor:
-        """This rank's reduced gradient slices, as one new fp32 tensor."""
+        """This rank's reduced gradient slices as one fp32 tensor: a view of the buffer when they are one
+        run of it in fp32 (one data-parallel rank; a copy of the gradients costs a pass over them), else
+        a new tensor. Read only: clipping scales a copy or happens inside the fused kernel."""
+        if (self.buffer.grad_dtype == torch.float32 and not getattr(self.buffer, "sharded", False)
+                and all(hi == lo for (_, hi, _), (lo, _, _) in zip(self.ranges, self.ranges[1:]))):
+            return self.buffer.shard_grad(self.ranges[0][0], self.ranges[-1][1])
         return torch.cat([self.buffer.shard_grad(lo, hi) for lo, hi, _ in self.ranges]).float()
 
     def write_params(self, bucket=None) -> None:
@@ -176,9 +181,8 @@ class DistributedOptimizer:
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)  # as torch's clip_grad_norm_
             if fused:
                 unscale = (1.0 / coef).float().reshape(())
-            else:
-                for g in grads:
-                    g.mul_(coef)
+            else:  # out of place: `grads` may be views of the gradient buffer
+                grads = [g * coef for g in grads]
         for group in self.param_groups:
             group["step"] += 1
         if self.overlap_with_step:  # forward order, each bucket's gather right after its update

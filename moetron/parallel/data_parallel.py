@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moetron.parallel.gather_waits import GatherWaits
 from moetron.parallel.grad_norm import all_reduce_sum, counts_in_norm, sum_of_squares
 from moetron.parallel.state import Group, ParallelState
 
@@ -163,7 +164,7 @@ class GradBuffer:
                 f"{self.grad_dtype}, {self.numel} elements, {len(self.buckets)} buckets)")
 
 
-class DataParallel:
+class DataParallel(GatherWaits):
     """Gradient buffers, bucketed overlapped reduction and parameter all-gather for `module`.
 
     Not an nn.Module wrapper: the model is called as before (so state-dict keys and the layer
@@ -241,6 +242,7 @@ class DataParallel:
         self._sync_enabled = True
         self._final: set[int] | None = None  # ids of the params whose gradients are final now
         self._synced = False
+        self._unwritten: set[ParamSlot] = set()  # slots whose view zero_grad() left stale (see there)
         self._handles = [s.param.register_post_accumulate_grad_hook(self._make_hook(s))
                          for s in self.slots]
         if overlap_param_gather:
@@ -277,10 +279,19 @@ class DataParallel:
             self._sync_enabled, self._final = previous
 
     def zero_grad(self) -> None:
-        """Zero every gradient buffer and start a new step (call before the first micro-batch)."""
+        """Zero every gradient buffer and start a new step (call before the first micro-batch).
+
+        A buffer whose parameters all keep low-precision `.grad`s (bf16 parameters, fp32 buffer) is
+        not cleared: each parameter's first gradient of the step is copied in instead of added, and
+        finish_grad_sync() zeroes the views of those that got none. On a GPU that saves a memset of
+        the whole buffer and a read of it per step (0 + g == g, so the sums are the same)."""
         self._wait_grad_collectives()
+        self._unwritten.clear()
         for buf in self.buffers:
-            buf.grad_data.zero_()
+            if all(s.main_grad_only and not s.late for s in buf.slots):
+                self._unwritten.update(buf.slots)
+            else:
+                buf.grad_data.zero_()
         for s in self.slots:
             s.param.grad = None if s.main_grad_only else s.grad_view
         self._reset()
@@ -296,6 +307,9 @@ class DataParallel:
         if not self._sync_enabled:
             raise RuntimeError("finish_grad_sync() inside no_sync(): leave the no_sync() context "
                                "for the last micro-batch, then synchronise")
+        for slot in self._unwritten:  # no gradient this step (zero_grad left the buffer as it was)
+            slot.grad_view.zero_()
+        self._unwritten.clear()
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
@@ -389,7 +403,11 @@ class DataParallel:
         p = slot.param
         if p.grad is not None:
             if slot.main_grad_only:
-                slot.grad_view.add_(p.grad)
+                if slot in self._unwritten:
+                    slot.grad_view.copy_(p.grad)
+                    self._unwritten.discard(slot)
+                else:
+                    slot.grad_view.add_(p.grad)
                 p.grad = None
             elif p.grad.data_ptr() != slot.grad_view.data_ptr():
                 # autograd made a fresh .grad (it was None or replaced): it holds the whole sum
@@ -441,60 +459,3 @@ class DataParallel:
             bucket.launched = False
         self._next_launch = 0
         self._synced = False
-
-    def _wait_gather(self, bucket: Bucket) -> None:
-        if bucket.gather_work is not None:
-            bucket.gather_work.wait()
-            bucket.gather_work = None
-
-    def _register_gather_waits(self) -> None:
-        """Forward pre-hooks that wait for the buckets of each module's own parameters.
-
-        A parameter read without calling its module (MoETransformer.head reads lm_head.weight
-        through F.linear) would be missed, so the first forward (before any step, nothing
-        pending) records which modules really run; from then on the buckets of the others are
-        waited for when the root module's forward starts.
-        """
-        by_param = {id(s.param): s.bucket for s in self.slots}
-        self._owned_buckets: dict[int, list[Bucket]] = {}
-        self._owner_names: dict[int, str] = {}
-        self._ran: set[int] | None = None  # modules whose forward ran, while learning
-        self._early_buckets: list[Bucket] | None = None
-        self._handles.append(self.module.register_forward_pre_hook(self._root_pre_hook))
-        for name, sub in self.module.named_modules():
-            mine = {id(by_param[id(p)]): by_param[id(p)]
-                    for p in sub.parameters(recurse=False) if id(p) in by_param}
-            if mine:
-                self._owned_buckets[id(sub)] = list(mine.values())
-                self._owner_names[id(sub)] = name
-                self._handles.append(sub.register_forward_pre_hook(self._module_pre_hook))
-        self._handles.append(self.module.register_forward_hook(self._root_post_hook))
-
-    @property
-    def modules_waited_at_forward_start(self) -> list[str] | None:
-        """Modules whose parameters are used without calling them (None until the first forward)."""
-        if self._early_buckets is None:
-            return None
-        return sorted(self._owner_names[m] for m in self._not_run)
-
-    def _root_pre_hook(self, module: nn.Module, args) -> None:
-        if self._early_buckets is None:
-            self.finish_param_sync()
-            self._ran = set()
-        else:
-            for bucket in self._early_buckets:
-                self._wait_gather(bucket)
-
-    def _module_pre_hook(self, module: nn.Module, args) -> None:
-        if self._ran is not None:
-            self._ran.add(id(module))
-        for bucket in self._owned_buckets[id(module)]:
-            self._wait_gather(bucket)
-
-    def _root_post_hook(self, module: nn.Module, args, out) -> None:
-        if self._ran is not None:
-            self._not_run = [m for m in self._owned_buckets if m not in self._ran]
-            early = {id(b): b for m in self._not_run for b in self._owned_buckets[m]}
-            self._early_buckets = list(early.values())
-            self._ran = None
-        self.finish_param_sync()  # whatever the forward did not touch is complete when it returns
