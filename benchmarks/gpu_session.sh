@@ -6,7 +6,7 @@
 #   STEPS="tests moe train_step trainer" ...               # a subset, in that order (the default)
 #   SIZES=mid,proxy ...                                    # train_step.py's sizes (default tiny,mid,proxy)
 #   STEPS="profile compile" ...                            # the trainer's profile (Chrome trace); compiled
-#   STEPS="trainer trainer_eager trainer_sync" ...         # A/B: Triton vs eager RMSNorm, deferred vs immediate logs
+#   STEPS="trainer trainer_eager" ...                      # A/B: Triton vs eager RMSNorm
 #
 # Runs from the source tree (PYTHONPATH, no install) with the machine's own torch. Each part has its
 # own time limit, so one that hangs leaves the others their time; every part's log is $OUT/<part>.txt
@@ -48,12 +48,9 @@ for step in $STEPS; do
     train_step) part train_step 150 $PY benchmarks/train_step.py --device cuda --dtype bf16 --sizes "${SIZES:-tiny,mid,proxy}" \
              --repeats 9 --warmup 3 --peak-tflops 989 ;;
     trainer) part trainer 100 $PY -m moetron train $PROXY --set train.steps=30 --set train.log_every=1 ;;
-    # A/B of two of the trainer's GPU choices on the same machine: eager RMSNorm, and each step's line
-    # logged at once (the host waits for the step's last kernel before launching the next forward)
+    # A/B on the same machine: the trainer with eager RMSNorm
     trainer_eager) part trainer_eager 100 $PY -m moetron train $PROXY --set train.fusion=none --set train.steps=30 \
                        --set train.log_every=1 ;;
-    trainer_sync) part trainer_sync 100 $PY -c "import sys, moetron.train.trainer as t; t.DEFER_STEP_LOG = False
-from moetron.cli import main; sys.exit(main(sys.argv[1:]))" train $PROXY --set train.steps=30 --set train.log_every=1 ;;
     profile) part profile_step 120 $PY benchmarks/profile_step.py $PROXY --warmup 4 --steps 2 --rows 45 \
                  --trace "$OUT/proxy_step_trace.json.gz" ;;
     compile) part compile 180 $PY -m moetron train $PROXY --set train.fusion=compile --set train.steps=25 \
@@ -63,7 +60,7 @@ from moetron.cli import main; sys.exit(main(sys.argv[1:]))" train $PROXY --set t
 done
 
 echo; echo "##### summary"
-for f in tests moe_layer train_step trainer trainer_eager trainer_sync profile_step compile; do
+for f in tests moe_layer train_step trainer trainer_eager profile_step compile; do
     [ -f "$OUT/$f.txt" ] || continue
     echo "----- $f"
     case $f in

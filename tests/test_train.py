@@ -1,7 +1,6 @@
 """The main job: recipes, overrides, the trainer and the command line."""
 
 import json
-import re
 
 import pytest
 import torch
@@ -119,27 +118,6 @@ def test_load_metrics_match_the_routing_of_every_micro_batch(monkeypatch):
         assert metrics["dropped_fraction"] == max(s["dropped_fraction"] for s in metrics["moe_load"].values())
     assert dropped_somewhere  # capacity_factor=1.0 really drops, so dropped_fraction is tested
     assert all(len(c) == accum * len(history) for c in routed.values())  # one router call per micro-batch
-
-
-def test_deferred_step_lines_equal_the_immediate_ones(monkeypatch, tmp_path):
-    """On a GPU a step's line waits until the next step is queued (trainer.DEFER_STEP_LOG): forced on here,
-    the lines, their order among the other messages and every metric except the timings equal the
-    immediate ones, the load metrics included; a save flushes the line before it, the last step's comes out."""
-    def run(defer):
-        monkeypatch.setattr(trainer, "DEFER_STEP_LOG", defer)
-        lines = []
-        recipe = apply_overrides(get_recipe("qwen3-moe-tiny"), SMALL + [
-            "train.steps=5", "train.log_every=1", f"train.save_dir={tmp_path / str(defer)}", "train.save_every=2"])
-        history = train(recipe, log=lines.append)
-        timing = ("tokens_per_s", "tflops")
-        return ([re.sub(r"\d+ tok/s", "", line) for line in lines if "tok/s" in line or "saved" in line],
-                [{k: v for k, v in h.items() if k not in timing} for h in history])
-    (lines, history), (deferred_lines, deferred_history) = run(False), run(True)
-    assert len(history) == 5 and "moe_load" in history[0] and "_load_totals" not in deferred_history[0]
-    assert deferred_history == history
-    assert [line.replace(str(tmp_path / "True"), "") for line in deferred_lines] == [
-        line.replace(str(tmp_path / "False"), "") for line in lines]
-    assert sum("saved" in line for line in lines) == 3 and "step    5/5" in lines[-2]
 
 
 def test_runs_are_reproducible():

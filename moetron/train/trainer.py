@@ -52,10 +52,6 @@ from moetron.train.setup import (TrainingRun, build_optimizer, build_run, check_
 __all__ = ["train", "build_optimizer"]
 
 
-# Log each step's line after the next step's kernels are queued: None = on a GPU (tests set True).
-DEFER_STEP_LOG: bool | None = None
-
-
 def train(recipe: Recipe, log: Callable[[str], None] = print) -> list[dict]:
     """Run `recipe` and return the per-step metrics (also written to `train.metrics_file`)."""
     check_run_inputs(recipe)
@@ -119,22 +115,11 @@ def _train(recipe: Recipe, run: TrainingRun, hint: str, say, memory, source, log
     stop = StopSignal().__enter__()  # Ctrl-C / SIGTERM: stop after the step, saving first
     history = []
     skipped, in_a_row = state.get("skipped_steps", 0), state.get("skipped_in_a_row", 0)
-    # On a GPU a step's line is logged after the next step's kernels are queued: reading its load
-    # metrics at once would leave the GPU idle while the host launches the next forward.
-    defer = run.device.type == "cuda" if DEFER_STEP_LOG is None else DEFER_STEP_LOG
-    pending: list[dict] = []
-    finished = False
-
-    def flush() -> None:
-        while pending:
-            logger.log_step(_finish_metrics(run, pending.pop()))
-
     try:
         run.model.train()
         for step in range(start, t.steps):
             guard = _guard(run, hint, step)
-            metrics = _train_step(run, data, step, flops_per_token, guard, defer=defer)
-            flush()  # the step before: its counts reached the host while this one ran
+            metrics = _train_step(run, data, step, flops_per_token, guard)
             if metrics["skipped"]:
                 skipped, in_a_row = skipped + 1, in_a_row + 1
                 logger.write(f"warning: step {step + 1}/{t.steps} skipped (train.on_nonfinite=skip): "
@@ -143,19 +128,14 @@ def _train(recipe: Recipe, run: TrainingRun, hint: str, say, memory, source, log
                 in_a_row = 0
             metrics["skipped_steps"] = skipped
             history.append(metrics)
-            pending.append(metrics)
-            done = step + 1
-            if not defer or done == t.steps or (held is not None and done % t.eval_every == 0) or (
-                    sampler is not None and done % t.sample_every == 0) or (t.save_dir and t.save_every
-                                                                             and done % t.save_every == 0):
-                flush()
+            logger.log_step(metrics)
             if in_a_row > t.max_skipped_steps:
-                flush()
                 raise FloatingPointError(
                     f"step {step + 1}/{t.steps}: {in_a_row} steps in a row were skipped (train.on_nonfinite=skip, "
                     f"train.max_skipped_steps={t.max_skipped_steps}; {skipped} in all): the run has diverged. "
                     "Resume an earlier checkpoint with a lower train.lr (train.resume_from=step-N), or raise "
                     "train.max_skipped_steps")
+            done = step + 1
             if held is not None and (done % t.eval_every == 0 or done == t.steps):
                 with guard("in the validation forward"):
                     metrics["val_loss"] = validation_loss(run, held)
@@ -178,21 +158,13 @@ def _train(recipe: Recipe, run: TrainingRun, hint: str, say, memory, source, log
                     for old in prune_checkpoints(t.save_dir, t.keep_last):
                         logger.write(f"removed {old} (train.keep_last={t.keep_last})")
             if stopping:
-                flush()
                 logger.write(f"stopped by {stop.requested or 'a signal to another rank'} after step {done}/{t.steps}; "
                              + (f"resume with: {resume_command(t.save_dir)}" if t.save_dir else
                                 "nothing was saved (train.save_dir is not set)"))
                 break
-        finished = True
     finally:
         stop.__exit__(None, None, None)
-        try:
-            flush()  # the last step's line, also when a later step failed
-        except Exception:
-            if finished:  # else the step's own error is the one to report
-                raise
-        finally:
-            logger.close()
+        logger.close()
     if run.ddp is not None:
         run.ddp.finish_param_sync()  # the caller may read the weights
     if t.export_hf and not (history and history[-1]["step"] + 1 < t.steps):  # not after a stop signal
@@ -340,43 +312,16 @@ def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor
     return norm
 
 
-def _load_totals(run: TrainingRun) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
-    """Every MoE layer's load of the whole step (every micro-batch, every rank: a world all-reduce) on
-    its way to the host: on a GPU a copy into pinned memory and the event that marks it done, so the
-    host can launch the next step meanwhile (a read here would wait for the optimizer's kernels)."""
-    layers = run.model.moe_layers_by_index()
-    if not layers:
-        return None, None
-    totals = torch.stack([layer.load_totals() for layer in layers.values()])
-    if run.ps.world.size > 1:
-        dist.all_reduce(totals, group=run.ps.world.handle)
-    if not totals.is_cuda:
-        return totals, None
-    host = torch.empty(totals.shape, dtype=totals.dtype, pin_memory=True)
-    host.copy_(totals, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
-
-
-def _finish_metrics(run: TrainingRun, metrics: dict) -> dict:
-    """Fill in the load metrics of a step from `_load_totals` (waiting for their copy if needed)."""
-    if "_load_totals" not in metrics:  # finished already
-        return metrics
-    totals, ready = metrics.pop("_load_totals")
-    if ready is not None:
-        ready.synchronize()
-    metrics.update(_load_metrics(run, totals))
-    return metrics
-
-
-def _load_metrics(run: TrainingRun, totals: torch.Tensor | None) -> dict:
-    """Per-MoE-layer load (host `totals` from `_load_totals`), and two summaries over the layers: the
-    worst max/mean load and the worst dropped fraction."""
+def _load_metrics(run: TrainingRun) -> dict:
+    """Per-MoE-layer load of the whole step (every micro-batch, every rank; a world all-reduce),
+    and two summaries over the layers: the worst max/mean load and the worst dropped fraction."""
     layers = run.model.moe_layers_by_index()
     stats, idle = {}, 0
-    if totals is not None:
-        for i, row in zip(layers, totals.cpu()):
+    if layers:
+        totals = torch.stack([layer.load_totals() for layer in layers.values()])
+        if run.ps.world.size > 1:
+            dist.all_reduce(totals, group=run.ps.world.handle)
+        for i, row in zip(layers, totals.cpu()):  # one device sync for every layer
             if load_summary(row):  # layers that routed no token are left out
                 stats[i] = load_summary(row)
                 idle += int((row[:-1] == 0).sum())  # experts that got no token: a collapse sign
@@ -387,10 +332,8 @@ def _load_metrics(run: TrainingRun, totals: torch.Tensor | None) -> dict:
             "idle_experts": idle, "moe_load": per_layer}
 
 
-def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token: float, guard,
-                defer: bool = False) -> dict:
-    """One optimizer step; `guard(where)` turns a failed collective into an error naming `where`.
-    `defer`: leave the load metrics to `_finish_metrics` (the step returns without waiting for the GPU)."""
+def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token: float, guard) -> dict:
+    """One optimizer step; `guard(where)` turns a failed collective into an error naming `where`."""
     t = run.recipe.train
     start = time.perf_counter()
     lr = t.lr_at(step)
@@ -429,7 +372,7 @@ def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token
             for layer in run.model.moe_layers():
                 layer.discard_pending_counts()
         sums, tokens = _mean_over_replicas(run, sums, tokens)
-        loads = {"_load_totals": _load_totals(run)}
+        loads = _load_metrics(run)
     elapsed = time.perf_counter() - start
     metrics = {"step": step, **sums, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / elapsed,
                "tflops": flops_per_token * tokens / elapsed / 1e12, **loads, "skipped": problem is not None}
@@ -437,4 +380,4 @@ def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token
         metrics["nonfinite"] = problem
     if t.peak_tflops:
         metrics["mfu"] = metrics["tflops"] / (t.peak_tflops * run.ps.world_size)
-    return metrics if defer else _finish_metrics(run, metrics)
+    return metrics
