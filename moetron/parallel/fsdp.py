@@ -29,6 +29,7 @@ class FullyShardedDataParallel:
 
     param_dtype: the dtype units compute in (parameters stay fp32 shards, gradients reduce in fp32);
     None: the parameters' own dtype.
+    reshard_after_forward: the units' (the root keeps its parameters gathered until its backward).
     """
 
     use_distributed_optimizer = True
@@ -51,7 +52,10 @@ class FullyShardedDataParallel:
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for unit in units:
             fully_shard(unit, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-        fully_shard(module, mesh=self.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        # The root's parameters (embedding, final norm, head) stay gathered from forward to backward: the
+        # model returns a dataclass, where FSDP2 finds no tensor to hang the root's re-gather on before
+        # backward (torch 2.11 then freed the head's weight under the loss's backward; 2.13 keeps it).
+        fully_shard(module, mesh=self.mesh, mp_policy=policy, reshard_after_forward=False)
         self.module, self.parallel_state = module, ps
 
     def __call__(self, *args, **kwargs):
