@@ -105,7 +105,8 @@ class AllToAllDispatcher:
         """Permute into send order and agree on the split sizes (the one host sync)."""
         if self.pad_to_capacity and routing.capacity is not None:
             return self._preprocess_padded(x_TH, routing)
-        x_NH, token_state = permute(x_TH, routing.topk_idx, self.num_experts, dropless=routing.dropless)
+        x_NH, token_state = permute(x_TH, routing.topk_idx, self.num_experts, dropless=routing.dropless,
+                                    counts=routing.tokens_per_expert)
         counts = self._exchange_counts(token_state.rows_per_expert)  # the one host sync
         El = self.num_local_experts
         mine, received = counts[:self.num_experts], counts[self.num_experts:]

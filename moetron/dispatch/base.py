@@ -115,7 +115,7 @@ class LocalDispatcher:
         x_NH, state = permute(x_TH, routing.topk_idx, self.num_experts,
                               pad_multiple=self.pad_multiple,
                               pad_to=routing.capacity if self.pad_to_capacity else None,
-                              dropless=routing.dropless)
+                              dropless=routing.dropless, counts=routing.tokens_per_expert)
         return x_NH, state.rows_per_expert, (state, routing.topk_weights)
 
     def combine(self, y_NH: torch.Tensor, handle: tuple[PermuteState, torch.Tensor]) -> torch.Tensor:

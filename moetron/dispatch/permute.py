@@ -222,6 +222,7 @@ def permute(
     impl: str | None = None,
     deterministic: bool | None = None,
     dropless: bool | None = None,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PermuteState]:
     """Gather rows of `x_TH` by routing. Returns `(x_NH, state)`.
 
@@ -230,15 +231,14 @@ def permute(
     padding). `dropless=True` promises no -1 slots, which spares the torch / Triton plan its
     one host sync (the check for dropped slots).
     `impl` picks the implementation (see `permute_kernels`); `deterministic` makes the
-    backward (a sum over each token's k slots) run in a fixed order.
+    backward (a sum over each token's k slots) run in a fixed order. `counts`: the router's slots per
+    expert (`Routing.tokens_per_expert`), reused by a dropless torch / Triton plan.
     """
     check_permute_args(x_TH, topk_idx_TK, num_experts, pad_multiple, pad_to)
     topk_idx_TK = topk_idx_TK.long()
     impl, deterministic = resolve(impl, deterministic, x_TH.device)
-    if impl == "torch":
-        state = routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to, dropless)
-    elif impl == "triton":
-        state = routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to, dropless)  # torch ops on the GPU
+    if impl in ("torch", "triton"):  # torch ops (on the GPU for Triton)
+        state = routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to, dropless, counts)
     else:
         state = kernels_for(impl).routing_plan(topk_idx_TK, num_experts, pad_multiple, pad_to)
     state.impl, state.deterministic = impl, deterministic
@@ -285,5 +285,6 @@ def row_weights(state: PermuteState, weights: torch.Tensor | None) -> torch.Tens
     flat = weights.reshape(-1).float()
     if flat.numel() == 0:  # no token: keep the weights in the graph (their gradient is zeros)
         return flat.new_zeros(slot.numel()) + 0 * flat.sum()
-    probs = flat.index_select(0, slot.clamp_min(0))
-    return probs if state.padded_pos is None else torch.where(slot >= 0, probs, 0.0)
+    if state.padded_pos is None:  # no padding row: no -1 in slot_of_row
+        return flat.index_select(0, slot)
+    return torch.where(slot >= 0, flat.index_select(0, slot.clamp_min(0)), 0.0)

@@ -60,11 +60,14 @@ def check_permute_args(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_expert
 
 
 def routing_plan(topk_idx_TK: torch.Tensor, num_experts: int, pad_multiple: int = 1,
-                 pad_to: int | None = None, dropless: bool | None = None) -> PermuteState:
+                 pad_to: int | None = None, dropless: bool | None = None,
+                 counts: torch.Tensor | None = None) -> PermuteState:
     """Where every slot goes (torch ops, any device).
 
     `dropless=True` promises no -1 in `topk_idx_TK` (routing without capacity): then, without
     padding to a multiple, nothing here waits for the device. `None` checks (one host sync).
+    `counts`: the router's int64 slots per expert, which a dropless plan then need not count again
+    (on a GPU every op spared is a launch the host no longer makes).
     """
     T, K = topk_idx_TK.shape
     if dropless is None:
@@ -73,10 +76,16 @@ def routing_plan(topk_idx_TK: torch.Tensor, num_experts: int, pad_multiple: int 
         has_drops = not dropless
     order = _sort_slots(topk_idx_TK, num_experts, has_drops)
     token_idx = torch.div(order, K, rounding_mode="floor")
-    # scatter_add, not bincount: bincount reads its input's maximum on the host
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=order.device).scatter_add_(
-        0, topk_idx_TK.reshape(-1)[order], torch.ones_like(order))
+    if counts is None or has_drops:
+        # scatter_add, not bincount: bincount reads its input's maximum on the host
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=order.device).scatter_add_(
+            0, topk_idx_TK.reshape(-1)[order], torch.ones_like(order))
     kept = torch.arange(order.numel(), device=order.device)
+    if pad_multiple == 1 and pad_to is None and not has_drops:
+        # every slot kept, rows in sorted order: slot_of_row is the sort, row_of_slot its inverse
+        state = PermuteState(token_idx, order, T, counts, topk=K, slot_of_row=order)
+        state.row_of_slot = torch.empty_like(order).index_copy_(0, order, kept)
+        return state
     if pad_multiple == 1 and pad_to is None:
         state = PermuteState(token_idx, order, T, counts, topk=K)
         rows, num_rows = kept, order.numel()
