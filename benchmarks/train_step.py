@@ -69,10 +69,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=9, help="timed steps per candidate (after warm-up)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--wide-threads", type=int, default=1,
+    p.add_argument("--wide-threads", type=int, default=None,
                    help="moetron's grouped GEMMs and attention with a helper up to this many threads, and the "
                         "weight gradients on that helper beside the backward pass when > 1 (moetron/kernels/threads.py, "
-                        "weight_grads.py); `moetron train` gives a small model --threads 1 --wide-threads 2")
+                        "weight_grads.py; default 1, CPU only); `moetron train` gives a small model --threads 1 "
+                        "--wide-threads 2")
     p.add_argument("--hf-threads", type=int, default=None,
                    help="intra-op threads for the transformers side (default: --threads), e.g. torch's default of "
                         "every core against moetron's own choice")
@@ -86,6 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--sizes: unknown {unknown}; choose from {', '.join(SIZES)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device here")
+    if args.device == "cuda" and (args.wide_threads is not None or args.hf_threads is not None):
+        p.error("--wide-threads and --hf-threads choose CPU threads; with --device cuda leave them out")
+    if args.wide_threads is None:
+        args.wide_threads = 1
     for name in ("threads", "wide_threads", "hf_threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
