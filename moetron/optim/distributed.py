@@ -69,7 +69,8 @@ class _Shard:
     def gather_grads(self) -> torch.Tensor:
         """This rank's reduced gradient slices as one fp32 tensor: a view of the buffer when they are one
         run of it in fp32 (one data-parallel rank; a copy of the gradients costs a pass over them), else
-        a new tensor. Read only: clipping scales a copy or happens inside the fused kernel."""
+        a new tensor. The foreach path clips a copy; the fused kernel clips inside and may leave the clipped
+        gradients in the buffer (the next zero_grad() and backward replace them)."""
         if (self.buffer.grad_dtype == torch.float32 and not getattr(self.buffer, "sharded", False)
                 and all(hi == lo for (_, hi, _), (lo, _, _) in zip(self.ranges, self.ranges[1:]))):
             return self.buffer.shard_grad(self.ranges[0][0], self.ranges[-1][1])
