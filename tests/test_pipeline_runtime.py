@@ -240,6 +240,36 @@ def test_split_backward_equals_full_backward(split):
             assert_close(dw_split[n], dw_full[n], 1e-6, f"stage {index} {n}")
 
 
+@pytest.mark.parametrize("outlive", [None, False])
+def test_weight_pass_runs_after_the_outputs_are_freed(monkeypatch, outlive):
+    """The weight pass runs after the stage's outputs are gone, from a custom autograd Function on the
+    input path (moetron's RMSNorm). torch 2.11 frees such a node with the outputs, so backward_input
+    keeps them there (forced here with outlive=False; None: what this torch does)."""
+    from moetron.ops.functional import _RMSNormFunction
+    from moetron.pipeline import split_backward
+
+    if outlive is not None:
+        monkeypatch.setattr(split_backward, "_function_nodes_outlive_outputs", lambda: outlive)
+    g = torch.Generator().manual_seed(11)
+    x, w1, dy = torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(4, 8, generator=g)
+    w2 = 1 + 0.1 * torch.randn(8, generator=g)
+
+    def run(split):
+        a, b, xi = w1.clone().requires_grad_(), w2.clone().requires_grad_(), x.clone().requires_grad_()
+        y = _RMSNormFunction.apply(xi @ a, b, 1e-6) * 2
+        if not split:
+            y.backward(dy)
+            return xi.grad, a.grad, b.grad
+        (gx,), work = backward_input([y], [dy], [xi])
+        assert a.grad is None and b.grad is None
+        del y  # what a pipeline stage does with its outputs once their gradients are in
+        work.run()
+        return gx, a.grad, b.grad
+
+    for got, want in zip(run(True), run(False)):
+        assert got is not None and got.abs().max() > 0 and torch.equal(got, want)
+
+
 def test_p2p_plan_never_sends_before_producing():
     """Walking each rank's list as the runtime does, every op before a needed receive is a
     receive or an already produced send, and both ends see each pair's messages in one order."""

@@ -5,10 +5,33 @@ redoing the input path."""
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import GradientEdge, Node
+
+
+@functools.cache
+def _function_nodes_outlive_outputs() -> bool:
+    """Whether a custom autograd Function's node stays usable once the tensors it made are freed
+    (torch 2.13: yes; 2.11: its Python object outlives the graph's node, and autograd refuses it)."""
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    node = Probe.apply(torch.ones(1, requires_grad=True)).grad_fn  # its output is freed here
+    try:
+        node._input_metadata
+    except RuntimeError:
+        return False
+    return True
 
 
 def _node(t: torch.Tensor) -> Node:
@@ -30,12 +53,13 @@ class WeightGradients:
     MTP embedding, that stretch is re-run and the recorded gradient is pinned with a hook.)
     """
 
-    def __init__(self, groups, captured, root_seeds):
+    def __init__(self, groups, captured, root_seeds, keep=()):
         # The nodes held here keep the weight side of the graph alive until run(); the
-        # rest (above the recorded nodes) is freed with the outputs.
+        # rest (above the recorded nodes) is freed with the outputs, unless `keep` holds them.
         self.groups = groups  # [(frontier nodes, [(root node, nr)], [AccumulateGrad nodes])]
         self.captured = captured  # frontier node -> gradients entering it
         self.root_seeds = root_seeds  # (node, nr) -> gradient, for outputs off the input path
+        self.keep = keep  # the outputs, where a recorded custom Function's node would die with them
 
     def run(self) -> None:
         for frontier, roots, weights in self.groups:
@@ -62,7 +86,7 @@ class WeightGradients:
             finally:
                 for h in handles:
                     h.remove()
-        self.groups = self.captured = self.root_seeds = None
+        self.groups = self.captured = self.root_seeds = self.keep = None
 
 
 def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -149,4 +173,7 @@ def backward_input(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     it = iter(dx)
     input_grads = [next(it) if x.requires_grad else None for x in inputs]
     groups = [r for r in regions.values() if r[2]]
-    return input_grads, WeightGradients(groups, captured, root_seeds)
+    keep = ()
+    if not _function_nodes_outlive_outputs() and any(isinstance(n, BackwardCFunction) for n in frontier):
+        keep = tuple(outputs)  # torch 2.11: the graph above them stays until run(), as its nodes need
+    return input_grads, WeightGradients(groups, captured, root_seeds, keep)
