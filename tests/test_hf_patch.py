@@ -94,11 +94,13 @@ def check_same(out, ref, params: dict, ref_params: dict, expert_grad=None) -> No
     """Logits, loss, aux loss, router logits, and every gradient (`expert_grad` maps the reference's)."""
     assert rel_err(out.logits, ref.logits) < RTOL
     assert abs(out.loss.item() - ref.loss.item()) < RTOL * abs(ref.loss.item())
-    if ref.aux_loss is not None:
+    # transformers 5.17's DeepSeek-V3 returns neither (a plain CausalLMOutputWithPast); 5.24 returns both
+    if getattr(ref, "aux_loss", None) is not None:
         assert abs(out.aux_loss.item() - ref.aux_loss.item()) < RTOL * abs(ref.aux_loss.item())
-    assert len(out.router_logits) == len(ref.router_logits) > 0
-    for a, b in zip(out.router_logits, ref.router_logits):
-        assert a.dtype == b.dtype and rel_err(a, b) < RTOL
+    if hasattr(ref, "router_logits"):
+        assert len(out.router_logits) == len(ref.router_logits) > 0
+        for a, b in zip(out.router_logits, ref.router_logits):
+            assert a.dtype == b.dtype and rel_err(a, b) < RTOL
     assert params.keys() == ref_params.keys()
     for name, p in params.items():
         g_ref = ref_params[name].grad
