@@ -58,6 +58,14 @@ def _scaled(x, w, rstd, X_TY: tl.constexpr):
 
 
 @triton.jit
+def _load_block(x_ptr, g_ptr, w_ptr, base, offs, m):
+    """One block of a row of x and of its gradient, and the weight's block, in fp32."""
+    x = tl.load(x_ptr + base + offs, mask=m, other=0).to(tl.float32)
+    g = tl.load(g_ptr + base + offs, mask=m, other=0).to(tl.float32)
+    return x, g, tl.load(w_ptr + offs, mask=m, other=0).to(tl.float32)
+
+
+@triton.jit
 def _forward_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, D, eps, BLOCK_D: tl.constexpr, ONE_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row, out_row = x_ptr + row * D, out_ptr + row * D
@@ -118,17 +126,13 @@ def _backward_kernel(g_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, N, D, NEED_D
             for d0 in range(0, D, BLOCK_D):
                 offs = d0 + tl.arange(0, BLOCK_D)
                 m = offs < D
-                x = tl.load(x_ptr + base + offs, mask=m, other=0).to(tl.float32)
-                g = tl.load(g_ptr + base + offs, mask=m, other=0).to(tl.float32)
-                w = tl.load(w_ptr + offs, mask=m, other=0).to(tl.float32)
+                x, g, w = _load_block(x_ptr, g_ptr, w_ptr, base, offs, m)
                 dot += g * w * (x * rstd)
             c = tl.sum(dot, axis=0) / D
             for d0 in range(0, D, BLOCK_D):
                 offs = d0 + tl.arange(0, BLOCK_D)
                 m = offs < D
-                x = tl.load(x_ptr + base + offs, mask=m, other=0).to(tl.float32)
-                g = tl.load(g_ptr + base + offs, mask=m, other=0).to(tl.float32)
-                w = tl.load(w_ptr + offs, mask=m, other=0).to(tl.float32)
+                x, g, w = _load_block(x_ptr, g_ptr, w_ptr, base, offs, m)
                 xhat, gy = x * rstd, g * w
                 tl.store(dx_ptr + base + offs, _round(rstd * (gy - xhat * c), DX_TY), mask=m)
                 if NEED_DW:
