@@ -8,6 +8,8 @@
     python benchmarks/step_ab.py --compare norm_rope        # Qwen3's q/k norm and RoPE as two C++ ops, or one
     python benchmarks/step_ab.py --compare stacked_projections  # q/k/v (gate/up) as one GEMM each way, or three
     python benchmarks/step_ab.py --compare attention_kernel  # torch's flash attention, or moetron's C++ kernel
+    python benchmarks/step_ab.py --compare cross_entropy    # torch's cross_entropy, or moetron's C++ pass
+    python benchmarks/step_ab.py --compare clip             # torch's norm and clip, or a dot per gradient and the clip in AdamW
     python benchmarks/step_ab.py --recipe deepseek-v3-tiny --set train.grad_accum=2 --steps 300 --runs 3
 
 On the shared 2-core development VM the same command's step medians move 10-15 % between runs, more
@@ -16,9 +18,10 @@ switching every step, so drift, allocator state and other load hit both alike an
 ~2 %. The run is set up as `moetron train` sets it up (its host choices: one intra-op thread and a
 helper for a small model, freed memory kept, sleeping OpenMP waits). Every setting compared here gives
 the same bits as its alternative (tested), so switching mid-run changes nothing but the time; the C++
-router agrees with the eager one within a few ulp (tests/test_fused_router.py), so there it also changes
+router and cross-entropy agree with the eager ones within a few ulp (tests/test_fused_router.py), so there it also changes
 the rounding, as the C++ permute does beyond top-2 (it sums a token's k outputs in slot order, the torch
-one in expert order).
+one in expert order), and so does the trainer's clip (its norm sums in another order, and fused AdamW
+divides by the inverse of torch's coefficient: within an ulp, tests/test_step_overhead.py).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def _switched(owner, attr: str, off, labels: tuple[str, str]):
 
 def _settings(name: str):
     """(label, apply) for the setting off and on."""
-    from moetron.kernels import attention_cpu, norm_rope_cpu, sdpa_cpu, threads
+    from moetron.kernels import attention_cpu, cross_entropy_cpu, norm_rope_cpu, sdpa_cpu, threads
     from moetron.moe.router import TopKRouter
     from moetron.ops import linear
     from moetron.train import trainer
@@ -71,6 +74,11 @@ def _settings(name: str):
         return _switched(attention_cpu, "applies", never, ("torch's flash kernel", "moetron's C++ attention"))
     if name == "stacked_projections":
         return _switched(linear, "_stackable", lambda *args: None, ("q, k, v as three GEMMs", "q, k, v as one GEMM"))
+    if name == "cross_entropy":
+        return _switched(cross_entropy_cpu, "applies", never, ("torch's cross_entropy", "moetron's C++ cross-entropy"))
+    if name == "clip":
+        return _switched(trainer, "_optimizer_step", _torch_clip_step,
+                         ("torch's norm, clip, then AdamW", "dot norm, clip inside fused AdamW"))
     if name == "permute":
         from moetron.dispatch import permute
         return [("torch permute", lambda: permute.set_permute_impl("torch")),
@@ -78,10 +86,23 @@ def _settings(name: str):
     raise SystemExit(f"--compare: unknown setting {name!r}")
 
 
+def _torch_clip_step(run) -> float:
+    """The single-process optimizer step through torch's clip: its norm (`_foreach_norm`), its multiply
+    when the coefficient is < 1 (the trainer before the clip moved into AdamW), then AdamW."""
+    utils, max_norm = torch.nn.utils, run.recipe.train.grad_clip
+    params = list(run.model.parameters())
+    norm = utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+    if bool(max_norm / (norm + 1e-6) < 1.0):
+        utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    if bool(norm.isfinite()):
+        run.optimizer.step()
+    return float(norm)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--compare", required=True, choices=("weight_grads", "helper", "attention_split", "permute", "router", "norm_rope",
-                                                       "stacked_projections", "attention_kernel"))
+                                                       "stacked_projections", "attention_kernel", "cross_entropy", "clip"))
     p.add_argument("--recipe", default="qwen3-moe-tiny")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
     p.add_argument("--steps", type=int, default=200, help="steps per run, the settings alternating")

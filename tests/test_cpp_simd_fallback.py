@@ -1,5 +1,5 @@
 """The C++ kernels' default-target loops (csrc/simd_math.h): a CPU without AVX2+FMA runs them, and
-`MOETRON_NO_FMA=1` makes this one run them too. The SwiGLU and causal attention
+`MOETRON_NO_FMA=1` makes this one run them too. The SwiGLU, causal attention and cross-entropy
 computed both ways in fresh processes each stay within their bounds of a float64 reference, and the
 two ways really are different code (FMA rounds differently somewhere)."""
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("cpp_kernels")  # conftest.py
 SCRIPT = r"""
 import sys
 import torch
-from moetron.kernels import attention_cpu, cpp_build
+from moetron.kernels import attention_cpu, cpp_build, cross_entropy_cpu
 
 torch.set_num_threads(1)
 g = torch.Generator().manual_seed(0)
@@ -30,6 +30,10 @@ qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
 o = attention_cpu.CausalAttention.apply(qq, kk, vv, 0.25)
 o.backward(dout)
 out.update(attention=o.detach().contiguous(), dq=qq.grad.contiguous(), dk=kk.grad.contiguous(), dv=vv.grad.contiguous())
+logits, labels = (torch.randn(50, 77, generator=g) * 3).requires_grad_(), torch.randint(0, 77, (50,), generator=g)
+loss = cross_entropy_cpu.CrossEntropyFunction.apply(logits, labels, -100)
+loss.backward()
+out.update(logits=logits.detach(), labels=labels, ce=loss.detach(), dlogits=logits.grad)
 torch.save(out, sys.argv[1])
 """
 
@@ -63,6 +67,11 @@ def _check(r: dict, how: str) -> None:
     _close(r["attention"], ref, 4e-6, f"attention ({how})")
     for name, want in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         _close(r[name], want, 8e-6, f"{name} ({how})")
+    logits = r["logits"].double().requires_grad_()
+    ce = F.cross_entropy(logits, r["labels"], reduction="sum")
+    ce.backward()
+    _close(r["ce"], ce.detach(), 1e-6, f"cross-entropy ({how})")
+    _close(r["dlogits"], logits.grad, 4e-6, f"cross-entropy gradient ({how})")
 
 
 def test_default_loops_and_fma_loops_are_both_within_bounds(tmp_path):
@@ -71,4 +80,4 @@ def test_default_loops_and_fma_loops_are_both_within_bounds(tmp_path):
     _check(fma, "this CPU's loops")
     flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     if " avx2" in flags and " fma" in flags:  # then the two runs took different code
-        assert any(not torch.equal(plain[n], fma[n]) for n in ("swiglu", "attention", "dq", "dk", "dv"))
+        assert any(not torch.equal(plain[n], fma[n]) for n in ("swiglu", "attention", "dq", "dk", "dv", "dlogits"))

@@ -1,6 +1,7 @@
 """Build and load moetron's CPU kernels (`moetron/csrc/permute_cpu.cpp`, `swiglu_cpu.cpp`,
-`grouped_gemm_cpu.cpp`, `rmsnorm_rope_cpu.cpp`, `router_cpu.cpp`, `causal_attention_cpu.cpp`: one
-library; the SwiGLU and attention compile as one unit, `fma_kernels.cpp`)
+`grouped_gemm_cpu.cpp`, `rmsnorm_rope_cpu.cpp`, `router_cpu.cpp`, `causal_attention_cpu.cpp`,
+`cross_entropy_cpu.cpp`: one library; the SwiGLU, attention and cross-entropy compile as one unit,
+`fma_kernels.cpp`)
 on first use, once per machine.
 
 `torch.utils.cpp_extension.load` compiles the file with ninja into
@@ -43,9 +44,11 @@ GEMM_SOURCE = SOURCE.with_name("grouped_gemm_cpu.cpp")  # likewise
 NORM_SOURCE = SOURCE.with_name("rmsnorm_rope_cpu.cpp")  # likewise
 ROUTER_SOURCE = SOURCE.with_name("router_cpu.cpp")  # likewise
 ATTENTION_SOURCE = SOURCE.with_name("causal_attention_cpu.cpp")  # likewise
-FMA_UNIT = SOURCE.with_name("fma_kernels.cpp")  # compiles SWIGLU_SOURCE and ATTENTION_SOURCE as one unit
+CE_SOURCE = SOURCE.with_name("cross_entropy_cpu.cpp")  # likewise
+FMA_UNIT = SOURCE.with_name("fma_kernels.cpp")  # compiles SWIGLU_SOURCE, ATTENTION_SOURCE and CE_SOURCE as one unit
 # included by the compiled sources: part of the build's inputs
-HEADERS = (SOURCE.with_name("simd_math.h"), SOURCE.with_name("helper_tasks.h"), SWIGLU_SOURCE, ATTENTION_SOURCE)
+HEADERS = (SOURCE.with_name("simd_math.h"), SOURCE.with_name("helper_tasks.h"), SWIGLU_SOURCE, ATTENTION_SOURCE,
+           CE_SOURCE)
 # -ffp-contract=off: no FMA contraction, the fused numerics equal the torch reference bit for bit.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
@@ -258,9 +261,14 @@ def load_grouped_gemm_ops(verbose: bool = False):
     return torch.ops.moetron_gemm
 
 
-
 def load_attention_ops(verbose: bool = False):
     """The CPU causal attention of the same library (`torch.ops.moetron_attention`); see `load_permute_ops`."""
     load_permute_ops(verbose)
     return torch.ops.moetron_attention
+
+
+def load_cross_entropy_ops(verbose: bool = False):
+    """The CPU token cross-entropy of the same library (`torch.ops.moetron_ce`); see `load_permute_ops`."""
+    load_permute_ops(verbose)
+    return torch.ops.moetron_ce
 

@@ -3,9 +3,10 @@
 The unfused bodies are the reference (they match Hugging Face transformers'
 numerics). `set_fusion("compile")` routes the same calls through `torch.compile`d
 versions of the same bodies, so a fused kernel never changes the math written
-here; `set_fusion("cpp")` sends fp32/fp64 CPU RMSNorm, RoPE and the experts' weighted SwiGLU
-to one C++ pass each way (moetron/kernels/norm_rope_cpu.py, fused_swiglu.py: RoPE bit for bit,
-the others within a few ulp), and the MoE router reads it too (moetron/kernels/fused_router.py);
+here; `set_fusion("cpp")` sends fp32/fp64 CPU RMSNorm, RoPE and the experts' weighted SwiGLU,
+and fp32 CPU cross-entropy, to one C++ pass each way (moetron/kernels/norm_rope_cpu.py,
+fused_swiglu.py, cross_entropy_cpu.py: RoPE bit for bit, the others within a few ulp), and the MoE
+router reads it too (moetron/kernels/fused_router.py);
 `set_fusion("triton")` sends CUDA RMSNorm to one Triton kernel each way (moetron/kernels/triton_rmsnorm.py:
 on a GPU a step's eager norms were ~8 launches forward and ~12 backward each, with the host behind).
 Library kernels (Liger, Transformer Engine) plug in the same way.
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moetron.kernels import availability, cpp_build, fused_swiglu, norm_rope_cpu
+from moetron.kernels import availability, cpp_build, cross_entropy_cpu, fused_swiglu, norm_rope_cpu
 
 FUSION_MODES = ("none", "cpp", "triton", "compile")
 _mode = "none"
@@ -239,5 +240,8 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Summed token cross-entropy in fp32 (divide by the token count you want)."""
+    """Summed token cross-entropy in fp32 (divide by the token count you want). Under `cpp`, fp32 CPU
+    logits take one C++ pass each way (moetron/kernels/cross_entropy_cpu.py: within a few ulp)."""
+    if _mode == "cpp" and cross_entropy_cpu.applies(logits, labels):
+        return cross_entropy_cpu.CrossEntropyFunction.apply(logits, labels, ignore_index)
     return _dispatch("cross_entropy", _cross_entropy_ref)(logits, labels, ignore_index)

@@ -27,9 +27,18 @@ def counts_in_norm(param: nn.Parameter, ps: ParallelState, expert: bool = False)
 
 
 def sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
-    """fp32 sum of squares of every element of `tensors` (0 for none)."""
+    """fp32 sum of squares of every element of `tensors` (0 for none).
+
+    fp32 CPU tensors go through one BLAS dot each: torch's CPU norm kernel, which `_foreach_norm` loops
+    over there, reads ~8 GB/s on this project's 2-core machines, the dot ~13 (50M gradients: 25-28 -> 15-17 ms).
+    Both sum in fp32; the result differs from torch's norm in the last bits. Elsewhere `_foreach_norm`
+    (one kernel for every tensor on a GPU).
+    """
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
+    if all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+        flat = [t.view(-1) for t in tensors]
+        return torch.stack([torch.dot(f, f) for f in flat]).sum()
     norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
     return torch.stack(norms).pow(2).sum()
 

@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from moetron.bridge.convert import load_hf_weights, moetron_to_hf
 from moetron.parallel.context_parallel import split_batch
+from moetron.parallel.grad_norm import sum_of_squares
+from moetron.optim.adamw import clip_and_step
 from moetron.pipeline.runtime import run_schedule
 from moetron.precision import cache_fp8_weights
 from moetron.model.size import model_size, training_flops_per_token
@@ -293,23 +295,11 @@ def _optimizer_step(run: TrainingRun) -> float:
     """Clip and update; returns the global gradient norm (no update when it is not finite)."""
     if run.ddp is not None:
         return float(run.optimizer.step())  # moetron's optimizers skip a non-finite norm themselves
-    grad_norm = float(_clip_grad_norm(list(run.model.parameters()), run.recipe.train.grad_clip))
-    if math.isfinite(grad_norm):
-        run.optimizer.step()
-    return grad_norm
-
-
-def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """torch's `clip_grad_norm_` (foreach), without its pass over every gradient when that pass would
-    multiply by 1.0: torch keeps it to spare a device sync, which the trainer makes anyway to read the
-    norm. The same bits either way (the coefficient is torch's, compared as torch computes it)."""
-    utils = torch.nn.utils
-    if not hasattr(utils, "get_total_norm"):  # torch < 2.6
-        return utils.clip_grad_norm_(params, max_norm, foreach=True)
-    norm = utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
-    if bool(max_norm / (norm + 1e-6) < 1.0):
-        utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm
+    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+    norm = sum_of_squares(grads, _device(run)).sqrt()
+    if math.isfinite(float(norm)):  # the trainer reads the norm anyway: a sync either way
+        clip_and_step(run.optimizer, grads, norm, run.recipe.train.grad_clip)
+    return float(norm)
 
 
 def _load_metrics(run: TrainingRun) -> dict:
