@@ -170,13 +170,14 @@ def test_cpu_sdpa_reads_kv_heads_for_their_groups_as_the_expanded_reference(quer
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("max_norm_of_norm", [2.0, 0.5])  # no clip, clip
 def test_clip_and_step_equals_torch_clip_then_adamw_without_a_pass_of_its_own(monkeypatch, max_norm_of_norm, fused):
-    """The trainer's norm (a BLAS dot per fp32 CPU gradient) and clip (inside fused AdamW's own pass)
-    against torch's clip_grad_norm_ then AdamW, over three steps; no multiply pass when fused or at 1.0."""
+    """The trainer's norm (a BLAS dot per large fp32 CPU gradient, `_foreach_norm` for the rest) and clip
+    (inside fused AdamW's own pass) against torch's clip_grad_norm_ then AdamW, over three steps; no
+    multiply pass when fused or when the coefficient would be 1."""
     from moetron.optim.adamw import clip_and_step
     from moetron.parallel.grad_norm import sum_of_squares
 
     gen = torch.Generator().manual_seed(3)
-    shapes = [(7, 5), (5,), (3, 4, 2), (300, 70)]
+    shapes = [(7, 5), (5,), (3, 4, 2), (300, 250)]  # the last one large enough for a BLAS dot
     start = [torch.randn(s, generator=gen) for s in shapes]
     ours, ref = ([torch.nn.Parameter(t.clone()) for t in start] for _ in range(2))
     opt, ref_opt = (AdamW(p, lr=0.1, weight_decay=0.1, fused=fused) for p in (ours, ref))

@@ -26,21 +26,30 @@ def counts_in_norm(param: nn.Parameter, ps: ParallelState, expert: bool = False)
     return expert or bool(getattr(param, "tensor_model_parallel", False)) or ps.tp.rank == 0
 
 
+DOT_MIN = 1 << 16  # elements from which one BLAS dot beats the norm kernel by more than a Python call costs
+
+
 def sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
     """fp32 sum of squares of every element of `tensors` (0 for none).
 
-    fp32 CPU tensors go through one BLAS dot each: torch's CPU norm kernel, which `_foreach_norm` loops
-    over there, reads ~8 GB/s on this project's 2-core machines, the dot ~13 (50M gradients: 25-28 -> 15-17 ms).
-    Both sum in fp32; the result differs from torch's norm in the last bits. Elsewhere `_foreach_norm`
-    (one kernel for every tensor on a GPU).
+    Large contiguous fp32 CPU tensors go through one BLAS dot each: torch's CPU norm kernel, which
+    `_foreach_norm` loops over there, reads ~8 GB/s on this project's 2-core machines, the dot ~13
+    (50M gradients: 25-28 -> 15-17 ms). The rest, and every tensor elsewhere (one kernel for all of them
+    on a GPU), through `_foreach_norm`. Both sum in fp32; the result differs from torch's norm in the
+    last bits.
     """
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
-    if all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
-        flat = [t.view(-1) for t in tensors]
-        return torch.stack([torch.dot(f, f) for f in flat]).sum()
-    norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors])
-    return torch.stack(norms).pow(2).sum()
+    dots, rest = [], []
+    for t in tensors:
+        if t.numel() >= DOT_MIN and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous():
+            flat = t.view(-1)
+            dots.append(torch.dot(flat, flat))
+        else:
+            rest.append(t.float() if t.dtype != torch.float32 else t)
+    if rest:
+        dots.append(torch.stack(torch._foreach_norm(rest)).pow(2).sum())
+    return torch.stack(dots).sum() if len(dots) > 1 else dots[0]
 
 
 def all_reduce_sum(t: torch.Tensor, group: Group) -> None:
