@@ -14,7 +14,10 @@ same batch. Before timing, the script checks that the two compute the same LM lo
   schedule, forward+backward with the aux loss injected, clipping, AdamW, expert-load metrics).
 - transformers: `zero_grad(set_to_none=True)`, `model(input_ids, labels, shift_labels=labels).loss`
   (LM loss + coef * aux loss) `.backward()`, `clip_grad_norm_`, `torch.optim.AdamW.step()` with the
-  same lr, betas and weight decay (torch's default implementation choice).
+  same lr, betas and weight decay, `fused=True` on every device: its Trainer's default optimizer
+  (`adamw_torch_fused` with torch >= 2.8, transformers 5). `--hf-adamw default` gives it torch's own
+  choice instead (on a CPU a Python loop over the tensors, ~7x slower at the mid size), the comparison
+  this script made before 2026-11-27's ninth session.
 
 Sizes: `tiny` is the default recipe (H64, 4 layers, 8 experts top-2, 8x128 tokens); `mid` is H512,
 4 layers, 32 experts top-4 (moe ffn 256), 2x512 tokens; `proxy` is the GPU proxy of issue 16 (8 layers,
@@ -23,8 +26,8 @@ H1024, 16 heads / 4 KV heads, 64 experts top-8, moe ffn 768, vocab 32768: 1.30 B
 
 On a GPU (`--device cuda`) both sides run there; with `--dtype bf16` moetron runs its mixed precision
 (`train.dtype=bf16`: bf16 parameters, fp32 gradients and AdamW masters) and transformers runs what its
-Trainer does with `bf16=True` (fp32 parameters under `torch.autocast(bfloat16)`), with torch's fused AdamW
-(its Trainer's default optimizer on CUDA). The loss check then allows 2e-2 (bf16 rounding on both sides).
+Trainer does with `bf16=True` (fp32 parameters under `torch.autocast(bfloat16)`), with torch's fused AdamW.
+The loss check then allows 2e-2 (bf16 rounding on both sides).
 Every step ends with `torch.cuda.synchronize()`, so host timers measure the device work. Steps are interleaved round-robin; the table
 gives median and min step times, tokens/s of the medians, and moetron's speed-up (hf / moetron).
 The process first makes the glibc setting `moetron train` makes on a CPU (freed memory kept for
@@ -78,6 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="intra-op threads for the transformers side (default: --threads), e.g. torch's default of "
                         "every core against moetron's own choice")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="extra recipe overrides")
+    p.add_argument("--hf-adamw", default="fused", choices=("fused", "default"),
+                   help="transformers' AdamW: fused (its Trainer's default, adamw_torch_fused) or torch's own "
+                        "default implementation (on a CPU a loop over the tensors: the figures before the ninth "
+                        "session)")
     p.add_argument("--fused", action="store_true",
                    help="moetron with its fused C++/Triton kernels: train.permute_impl=auto and the experts' "
                         "activation_impl=auto (built on first use)")
@@ -107,7 +114,7 @@ class FixedBatches:
         return self.inputs, self.labels
 
 
-def build_pair(overrides: list[str], folder: Path, device: torch.device):
+def build_pair(overrides: list[str], folder: Path, device: torch.device, hf_adamw: str = "fused"):
     from transformers import Qwen3MoeForCausalLM
 
     from moetron.bridge.hf import to_hf
@@ -126,7 +133,7 @@ def build_pair(overrides: list[str], folder: Path, device: torch.device):
                                              dtype=torch.float32).to(device).train()
     assert hf.config._experts_implementation == "grouped_mm", hf.config._experts_implementation
     opt = torch.optim.AdamW(hf.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
-                            fused=True if device.type == "cuda" else None)
+                            fused=True if hf_adamw == "fused" else None)
     return recipe, run, hf, opt, inputs, labels
 
 
@@ -219,7 +226,7 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             fused = ["train.permute_impl=auto"] if args.fused else []
             recipe, run, hf, opt, inputs, labels = build_pair(SIZES[size] + on_device + fused + args.set,
-                                                              Path(tmp) / "hf", device)
+                                                              Path(tmp) / "hf", device, args.hf_adamw)
         for layer in run.model.moe_layers() if args.fused else ():
             layer.experts.activation_impl = "auto"
         err = check_same_loss(run, hf, inputs, labels, dtype)
@@ -256,7 +263,8 @@ def main(argv=None) -> None:
              if args.peak_tflops else "") + ")")
     print("same comparison on both sides: one model config and weights, sdpa attention, router aux loss on "
           "(the recipe's coefficient), transformers' experts through grouped_mm, AdamW with the same lr / betas / "
-          f"weight decay ({'fused' if cuda else 'torch' + chr(39) + 's default implementation'} for transformers), "
+          f"weight decay ({'fused' if args.hf_adamw == 'fused' else 'torch' + chr(39) + 's default implementation'} "
+          "for transformers), "
           "clipping at the recipe's grad_clip")
 
 
