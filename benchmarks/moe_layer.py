@@ -35,7 +35,9 @@ transformers' fused `block.experts.gate_up_proj` / `down_proj`, the same layout)
                    `pip install torchtitan megatron-core`, or `--no-deps` plus the few modules they import).
 
 moetron's SwiGLU kernel is `--swiglu-impl` (default auto: the fused C++ kernel on CPU, Triton on CUDA,
-built on first use); `--swiglu-impl torch` times the reference expression instead. Its expert GEMMs are
+built on first use); `--swiglu-impl torch` times the reference expression instead. Its router follows
+`--fusion` as `train.fusion` (default auto, as the trainer: the C++ softmax top-k on CPU, the Triton one on
+CUDA; `none` the eager router, the choice of the figures before 2026-11-27's ninth session). Its expert GEMMs are
 `MoEConfig.expert_backend` "auto" (on CPU the C++ grouped GEMM, moetron/csrc/grouped_gemm_cpu.cpp: the
 experts split over the threads once per call, one single-threaded BLAS call per piece);
 `--expert-backends cpp,torch_grouped_mm` times one moetron line per backend in the same run.
@@ -87,6 +89,7 @@ from moetron import MoEConfig, MoELayer  # noqa: E402
 from moetron.kernels.fused_swiglu import resolve as resolve_swiglu  # noqa: E402
 from moetron.moe.config import EXPERT_BACKENDS  # noqa: E402
 from moetron.moe.grouped_gemm import resolve_backend  # noqa: E402
+from moetron.ops import resolve_fusion, set_fusion  # noqa: E402
 from moetron.train.host import keep_freed_memory  # noqa: E402
 
 QUICK = dict(tokens=256, hidden=128, ffn=64, experts=8, topk=2, repeats=3, warmup=1)
@@ -119,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--expert-backends", default=None, metavar="A,B",
                    help="time one moetron line per expert GEMM backend (MoEConfig.expert_backend, e.g. "
                         "'cpp,torch_grouped_mm'); default: auto only")
+    p.add_argument("--fusion", default="auto", choices=("auto", "none", "cpp", "triton"),
+                   help="train.fusion for moetron's layer, which decides its router: auto (the trainer's default: "
+                        "the C++ router on a CPU, the Triton one on a GPU) or none (the eager router)")
     p.add_argument("--swiglu-impl", default="auto", choices=("auto", "torch", "cpp", "triton"),
                    help="moetron's expert activation kernel (moetron/kernels/fused_swiglu.py)")
     p.add_argument("--profile", action="store_true",
@@ -364,6 +370,8 @@ def main(argv=None) -> dict[str, float]:
     # near-tied tokens), then cast in place: the transformers blocks share the Parameters.
     layer = MoELayer(cfg).to(device)
     layer.experts.activation_impl = args.swiglu_impl
+    fusion, _ = resolve_fusion(args.fusion, device, dtype=dtype)
+    set_fusion(fusion)  # the router's kernel, as `moetron train` sets it
     g = torch.Generator().manual_seed(args.seed)
     x = torch.randn(1, T, H, generator=g).to(device).requires_grad_()
     dy = torch.randn(1, T, H, generator=g).to(device)
@@ -389,6 +397,7 @@ def main(argv=None) -> dict[str, float]:
     gemm = resolve_backend(layer.experts.backend, x.detach().reshape(-1, H), layer.experts.gate_up_proj)
     print(f"repeats {args.repeats} after {args.warmup} warm-up, round-robin; "
           f"moetron permute impl {current_permute_impl()}, swiglu impl {args.swiglu_impl} -> {swiglu}, "
+          f"fusion (router) {args.fusion} -> {fusion}, "
           f"expert backend {layer.experts.backend} -> {gemm}")
 
     variants = {}  # moetron lines: name -> callable run before each call (selects the permute impl)

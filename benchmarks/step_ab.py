@@ -69,7 +69,7 @@ def _settings(name: str):
         return _switched(norm_rope_cpu, "rms_norm_rope_applies", never,
                          ("q/k norm, then RoPE", "q/k norm and RoPE in one op"))
     if name == "router":
-        return _switched(TopKRouter, "_fused", never, ("eager router", "C++ router"))
+        return _switched(TopKRouter, "_fused", lambda *args: None, ("eager router", "C++ router"))
     if name == "attention_kernel":
         return _switched(attention_cpu, "applies", never, ("torch's flash kernel", "moetron's C++ attention"))
     if name == "stacked_projections":

@@ -128,6 +128,44 @@ def test_triton_rmsnorm_matches_fp64(N, D, xd, wd):
         assert err <= max(2 * ref_err, 1e-6), (what, err, ref_err)
 
 
+# ------------------------------------------------------------------ softmax top-k router (Triton)
+
+@pytest.mark.parametrize("T, E, K, normalize", [(16384, 64, 8, True), (4099, 60, 4, False), (8192, 256, 8, True)])
+def test_triton_router_matches_the_eager_router(T, E, K, normalize):
+    """The compiled Triton router against the eager router's ops on the same GPU: the same experts and counts, weights and the logits' gradient (with the balancing
+    loss's) within a few ulp."""
+    from moetron.kernels import triton_router
+    from moetron.kernels.fused_router import TopKSoftmax
+
+    g = torch.Generator(device=DEV).manual_seed(T)
+    # distinct logits a row (a random order of E steps of 0.1): no exact ties, whose order torch.topk leaves open
+    logits = torch.rand(T, E, device=DEV, generator=g).argsort(-1).float() * 0.1
+    grad_w = torch.randn(T, K, device=DEV, generator=g)
+    aux = torch.rand(E, device=DEV, generator=g) * 0.1
+    results = []
+    for fused in (True, False):
+        x = logits.clone().requires_grad_()
+        if fused:
+            w, idx, counts, psum = TopKSoftmax.apply(x, K, normalize, 2.0, lambda c: aux, triton_router)
+            loss = (w * grad_w).sum()
+        else:
+            probs = torch.softmax(x, dim=-1)
+            idx = torch.topk(probs.detach(), K, dim=-1).indices
+            w = probs.gather(1, idx)
+            if normalize:
+                w = w / (w.sum(-1, keepdim=True) + 1e-20)
+            w = w * 2.0
+            counts, psum = torch.bincount(idx.reshape(-1), minlength=E), probs.detach().sum(0)
+            loss = (w * grad_w).sum() + (probs * aux).sum()
+        loss.backward()
+        results.append((idx, w.detach(), counts, psum, x.grad))
+    got, want = results
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[4], want[4], rtol=1e-5, atol=1e-6 * want[4].abs().max().item())
+
+
 # ------------------------------------------------------------------ grouped GEMM + MoE layer
 
 def test_grouped_linear_backends_agree_on_cuda_bf16():

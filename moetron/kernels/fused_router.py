@@ -23,19 +23,30 @@ def ops():
     return cpp_build.load_router_ops()
 
 
+def forward(logits: torch.Tensor, k: int, normalize: bool, scale: float):
+    """logits [T, E] -> (probs [T, E], idx [T, k] int64, weights [T, k], counts [E] int64, prob_sums [E])."""
+    return ops().topk_softmax_forward(logits, k, normalize, scale)
+
+
+def backward(grad_weights, probs, idx, normalize: bool, scale: float, aux):
+    """d logits [T, E] from d weights [T, k] and, when given, the balancing loss's d probs [E]."""
+    return ops().topk_softmax_backward(grad_weights, probs, idx, normalize, scale, aux)
+
+
 class TopKSoftmax(torch.autograd.Function):
     """logits [T, E] fp32 -> (weights [T, k], topk_idx [T, k], counts [E] int64, prob_sums [E]).
 
     `aux_grad(counts) -> [E]` (or None): the balancing loss's gradient w.r.t. each token's
     probabilities, asked for in backward (it reads the aux-loss scale then, as `inject_aux_loss` does).
-    Only `weights` is differentiable.
+    `kernels`: the module whose `forward` and `backward` run it: this one (C++), or
+    moetron.kernels.triton_router. Only `weights` is differentiable.
     """
 
     @staticmethod
-    def forward(ctx, logits, k: int, normalize: bool, scale: float, aux_grad):
-        probs, idx, weights, counts, prob_sums = ops().topk_softmax_forward(logits, k, normalize, scale)
+    def forward(ctx, logits, k: int, normalize: bool, scale: float, aux_grad, kernels):
+        probs, idx, weights, counts, prob_sums = kernels.forward(logits, k, normalize, scale)
         ctx.save_for_backward(probs, idx, counts)
-        ctx.normalize, ctx.scale, ctx.aux_grad = normalize, scale, aux_grad
+        ctx.normalize, ctx.scale, ctx.aux_grad, ctx.kernels = normalize, scale, aux_grad, kernels
         ctx.mark_non_differentiable(idx, counts, prob_sums)
         return weights, idx, counts, prob_sums
 
@@ -46,7 +57,8 @@ class TopKSoftmax(torch.autograd.Function):
         if grad_weights is None:
             grad_weights = probs.new_zeros(idx.shape)
         aux = None if ctx.aux_grad is None else ctx.aux_grad(counts)
-        return ops().topk_softmax_backward(grad_weights, probs, idx, ctx.normalize, ctx.scale, aux), None, None, None, None
+        grad = ctx.kernels.backward(grad_weights, probs, idx, ctx.normalize, ctx.scale, aux)
+        return grad, None, None, None, None, None
 
 
 def applies(logits: torch.Tensor) -> bool:

@@ -60,6 +60,21 @@ def fused_router_covers(cfg: MoEConfig, balancing: bool = True, cp: int = 1) -> 
             and not (balancing and (cfg.z_loss_coeff > 0 or cp > 1 or cfg.aux_loss_type not in ("none", "aux_loss"))))
 
 
+_triton = []  # [moetron.kernels.triton_router] once imported, [None] where triton is not installed
+
+
+def _triton_router():
+    """moetron.kernels.triton_router, imported on first use under train.fusion=triton (None without triton)."""
+    if not _triton:
+        from moetron.kernels import availability
+        if availability.triton_installed():
+            from moetron.kernels import triton_router
+            _triton.append(triton_router)
+        else:
+            _triton.append(None)
+    return _triton[0]
+
+
 class TopKRouter(nn.Module):
     """Scores every expert for every token and picks the top k (DESIGN: one `Routing` out).
 
@@ -113,8 +128,9 @@ class TopKRouter(nn.Module):
         (`bias_update_counts`: the top-k selections before capacity drops, or the slots kept after)."""
         cfg = self.config
         logits_TE = linear(x_TH.float(), self.weight.float())
-        if self._fused(logits_TE):
-            return self._fused_forward(logits_TE)
+        fused = self._fused(logits_TE)
+        if fused is not None:
+            return self._fused_forward(logits_TE, fused)
         if cfg.score_func == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
         elif cfg.softmax_before_topk:
@@ -148,14 +164,21 @@ class TopKRouter(nn.Module):
         bias_counts = routing.tokens_per_expert if cfg.bias_update_counts == "kept" else selected_counts
         return routing, losses, bias_counts
 
-    def _fused(self, logits_TE: torch.Tensor) -> bool:
-        """Whether the C++ softmax top-k (train.fusion=cpp) takes this forward (`fused_router_covers`)."""
+    def _fused(self, logits_TE: torch.Tensor):
+        """The kernels of the fused softmax top-k that takes this forward, or None: the C++ ones
+        (train.fusion=cpp) or the Triton ones (train.fusion=triton), for the routers `fused_router_covers`."""
         cp = self.cp_group.size if self.cp_group is not None else 1
-        return (fusion_mode() == "cpp" and fused_router.applies(logits_TE)
-                and fused_router_covers(self.config, self.training and torch.is_grad_enabled(), cp))
+        if not fused_router_covers(self.config, self.training and torch.is_grad_enabled(), cp):
+            return None
+        mode = fusion_mode()
+        if mode == "cpp" and fused_router.applies(logits_TE):
+            return fused_router
+        if mode == "triton" and _triton_router() is not None and _triton_router().applies(logits_TE):
+            return _triton_router()
+        return None
 
-    def _fused_forward(self, logits_TE: torch.Tensor) -> tuple[Routing, RouterLosses, torch.Tensor]:
-        """forward's result from one C++ pass: the Switch loss's gradient (`E/k * counts_e / T^2` for
+    def _fused_forward(self, logits_TE: torch.Tensor, kernels) -> tuple[Routing, RouterLosses, torch.Tensor]:
+        """forward's result from one fused pass (`kernels`: fused_router or triton_router): the Switch loss's gradient (`E/k * counts_e / T^2` for
         every token's probability of e, times the coefficient and the aux-loss scale) joins in its backward."""
         cfg = self.config
         T, E, K = logits_TE.shape[0], cfg.num_experts, cfg.top_k
@@ -168,7 +191,7 @@ class TopKRouter(nn.Module):
             def aux_grad(counts):
                 return counts.float() * (per_count * balancing.aux_loss_scale())
         weights, topk_idx, counts, prob_sums = fused_router.TopKSoftmax.apply(
-            logits_TE, K, cfg.norm_topk_prob, cfg.scaling_factor, aux_grad)
+            logits_TE, K, cfg.norm_topk_prob, cfg.scaling_factor, aux_grad, kernels)
         losses = RouterLosses()
         if aux_on:
             aux = balancing.switch_aux_from_sums(prob_sums, counts, K, max(T, 1)) * cfg.aux_loss_coeff

@@ -8,7 +8,8 @@ and fp32 CPU cross-entropy, to one C++ pass each way (moetron/kernels/norm_rope_
 fused_swiglu.py, cross_entropy_cpu.py: RoPE bit for bit, the others within a few ulp), and the MoE
 router reads it too (moetron/kernels/fused_router.py);
 `set_fusion("triton")` sends CUDA RMSNorm to one Triton kernel each way (moetron/kernels/triton_rmsnorm.py:
-on a GPU a step's eager norms were ~8 launches forward and ~12 backward each, with the host behind).
+on a GPU a step's eager norms were ~8 launches forward and ~12 backward each, with the host behind), and
+the MoE router reads it too (moetron/kernels/triton_router.py).
 Library kernels (Liger, Transformer Engine) plug in the same way.
 
 Eagerly (`none`), fp32 RMSNorm and halves-layout RoPE run as autograd Functions: the reference's
@@ -75,7 +76,8 @@ def resolve_fusion(mode: str, device: torch.device, fp8: bool = False,
             if mode == "triton":
                 raise ValueError("train.fusion=triton needs the triton package: pip install triton "
                                  "(or use train.fusion=auto, none or compile)")
-            return "none", "fusion: eager RMSNorm (python package 'triton' is not installed: pip install triton)"
+            return "none", ("fusion: eager RMSNorm and router (python package 'triton' is not installed: "
+                            "pip install triton)")
         return "triton", None
     if mode not in ("auto", "cpp"):
         return mode, None
