@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moetron.dispatch.routing import Routing, count_per_expert
-from moetron.kernels import fused_router
+from moetron.kernels import availability, fused_router
 from moetron.ops import fusion_mode, recompute
 from moetron.ops.linear import linear
 from moetron.moe import balancing
@@ -66,7 +66,6 @@ _triton = []  # [moetron.kernels.triton_router] once imported, [None] where trit
 def _triton_router():
     """moetron.kernels.triton_router, imported on first use under train.fusion=triton (None without triton)."""
     if not _triton:
-        from moetron.kernels import availability
         if availability.triton_installed():
             from moetron.kernels import triton_router
             _triton.append(triton_router)

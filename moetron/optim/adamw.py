@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-__all__ = ["AdamW", "clip_and_step"]
+__all__ = ["AdamW"]
 
 _Optimizer = torch.optim.Optimizer
 _STEP = inspect.unwrap(torch.optim.AdamW.step)  # the body inside the grad-mode / graph-break wrapper
@@ -31,27 +31,3 @@ class AdamW(torch.optim.AdamW):
         # torch's wrapper sets the grad mode to `differentiable` (and breaks compiled graphs there)
         with torch.set_grad_enabled(self.defaults["differentiable"]):
             return _STEP(self, closure)
-
-
-def clip_and_step(optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], norm: torch.Tensor,
-                  max_norm: float) -> None:
-    """Clip `grads` by the global `norm` as torch's `clip_grad_norm_` does, then `optimizer.step()`.
-
-    torch multiplies every gradient by `max_norm / (norm + 1e-6)` when that is < 1 (a pass that reads
-    and writes each gradient, ~18 ms a step for 54M on a 2-core CPU), and by 1.0 otherwise. Here the
-    factor 1.0 is skipped, and a fused AdamW divides by the inverse in its own pass instead (its
-    `grad_scale`, the hook GradScaler uses): the same update within an ulp of the gradient. Other
-    optimizers get torch's multiply.
-    """
-    clip = max_norm / (norm + 1e-6)
-    if not bool(clip < 1.0):  # torch's coefficient, compared as torch computes it
-        optimizer.step()
-    elif optimizer.defaults.get("fused"):
-        optimizer.grad_scale = ((norm + 1e-6) / max_norm).to(torch.float32)
-        try:
-            optimizer.step()
-        finally:
-            optimizer.grad_scale = None
-    else:
-        torch._foreach_mul_(grads, clip.to(grads[0].dtype))
-        optimizer.step()

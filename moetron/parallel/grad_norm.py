@@ -52,6 +52,15 @@ def sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
     return torch.stack(dots).sum() if len(dots) > 1 else dots[0]
 
 
+def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Clip `grads` by their global `norm` as torch's `clip_grads_with_norm_` does (the same coefficient,
+    the same multiply), but only when the coefficient is < 1: torch multiplies by 1.0 too, a pass over
+    every gradient that spares it a device sync, which the trainer makes anyway to read the norm."""
+    coef = max_norm / (norm + 1e-6)
+    if bool(coef < 1.0):
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+
+
 def all_reduce_sum(t: torch.Tensor, group: Group) -> None:
     if group.size > 1:
         dist.all_reduce(t, group=group.handle)

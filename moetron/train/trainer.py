@@ -26,8 +26,7 @@ import torch.distributed as dist
 
 from moetron.bridge.convert import load_hf_weights, moetron_to_hf
 from moetron.parallel.context_parallel import split_batch
-from moetron.parallel.grad_norm import sum_of_squares
-from moetron.optim.adamw import clip_and_step
+from moetron.parallel.grad_norm import clip_, sum_of_squares
 from moetron.pipeline.runtime import run_schedule
 from moetron.precision import cache_fp8_weights
 from moetron.model.size import model_size, training_flops_per_token
@@ -298,7 +297,8 @@ def _optimizer_step(run: TrainingRun) -> float:
     grads = [p.grad for p in run.model.parameters() if p.grad is not None]
     norm = sum_of_squares(grads, _device(run)).sqrt()
     if math.isfinite(float(norm)):  # the trainer reads the norm anyway: a sync either way
-        clip_and_step(run.optimizer, grads, norm, run.recipe.train.grad_clip)
+        clip_(grads, norm, run.recipe.train.grad_clip)
+        run.optimizer.step()
     return float(norm)
 
 
