@@ -370,7 +370,10 @@ def main(argv=None) -> dict[str, float]:
     # near-tied tokens), then cast in place: the transformers blocks share the Parameters.
     layer = MoELayer(cfg).to(device)
     layer.experts.activation_impl = args.swiglu_impl
-    fusion, _ = resolve_fusion(args.fusion, device, dtype=dtype)
+    try:
+        fusion, _ = resolve_fusion(args.fusion, device, dtype=dtype)
+    except ValueError as exc:
+        raise SystemExit(f"--fusion {args.fusion}: {exc}") from None
     set_fusion(fusion)  # the router's kernel, as `moetron train` sets it
     g = torch.Generator().manual_seed(args.seed)
     x = torch.randn(1, T, H, generator=g).to(device).requires_grad_()

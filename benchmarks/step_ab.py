@@ -130,6 +130,11 @@ def main(argv=None) -> None:
         if fusion_mode() == "cpp" and attention_cpu.head_dim_runs(recipe.model.head_dim) and t.dtype == "fp32":
             raise SystemExit("--compare attention_split: this run's attention is moetron's C++ kernel, which splits "
                              "its batch itself; compare torch's kernel in halves with --set train.fusion=none")
+    if args.compare == "cross_entropy":
+        from moetron.ops import fusion_mode
+        if fusion_mode() != "cpp" or t.dtype != "fp32":
+            raise SystemExit("--compare cross_entropy: this run's loss is not moetron's C++ cross-entropy (it runs "
+                             "fp32 CPU runs under train.fusion=cpp, auto's choice there); nothing would change")
     settings = _settings(args.compare)
     run.model.train()
     print(f"{args.recipe} ({' '.join(args.set) or 'as shipped'}), {args.steps} steps a run alternating "

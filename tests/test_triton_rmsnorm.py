@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_utils import load_triton_interpreted
+from triton_utils import interpreted_kernels
 from moetron.ops.functional import _rms_norm_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,14 +28,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 _U = {BF16: 2.0 ** -8, FP16: 2.0 ** -11, FP32: 2.0 ** -24}
 
 
-_KERNELS, _SKIP = load_triton_interpreted("moetron.kernels.triton_rmsnorm")
-
-
-@pytest.fixture
-def k():
-    if _SKIP:
-        pytest.skip(_SKIP)
-    return _KERNELS
+k = interpreted_kernels("moetron.kernels.triton_rmsnorm")  # the kernels, or a skip saying why
 
 
 def _inputs(shape, x_dtype, w_dtype, seed=0):

@@ -7,20 +7,13 @@ C++ kernel's contract too; and TopKRouter taking it under `triton` for the route
 import pytest
 import torch
 
-from triton_utils import load_triton_interpreted
+from triton_utils import interpreted_kernels
 from moetron import MoEConfig, ops
 from moetron.moe import balancing, router as router_module
 from moetron.moe.router import TopKRouter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-_KERNELS, _SKIP = load_triton_interpreted("moetron.kernels.triton_router")
-
-
-@pytest.fixture
-def k():
-    if _SKIP:
-        pytest.skip(_SKIP)
-    return _KERNELS
+k = interpreted_kernels("moetron.kernels.triton_router")  # the kernels, or a skip saying why
 
 
 def _eager(logits, K, normalize, scale, grad_w, aux):

@@ -4,6 +4,8 @@ import importlib
 import importlib.util
 import os
 
+import pytest
+
 
 def load_triton_interpreted(name: str):
     """`(module, None)`, or `(None, why the tests must skip)`. Triton decides at a kernel's decoration
@@ -22,3 +24,16 @@ def load_triton_interpreted(name: str):
     if not module.INTERPRET:
         return None, f"{name} was imported without TRITON_INTERPRET=1"
     return module, None
+
+
+def interpreted_kernels(name: str):
+    """A pytest fixture giving module `name` imported interpreted, or skipping the test with the reason."""
+    module, why = load_triton_interpreted(name)
+
+    @pytest.fixture
+    def kernels():
+        if why:
+            pytest.skip(why)
+        return module
+
+    return kernels
