@@ -177,8 +177,9 @@ class TopKRouter(nn.Module):
         return None
 
     def _fused_forward(self, logits_TE: torch.Tensor, kernels) -> tuple[Routing, RouterLosses, torch.Tensor]:
-        """forward's result from one fused pass (`kernels`: fused_router or triton_router): the Switch loss's gradient (`E/k * counts_e / T^2` for
-        every token's probability of e, times the coefficient and the aux-loss scale) joins in its backward."""
+        """forward's result from one fused pass (`kernels`: fused_router or triton_router): the Switch
+        loss's gradient (`E/k * counts_e / T^2` for every token's probability of e, times the coefficient
+        and the aux-loss scale) joins in its backward."""
         cfg = self.config
         T, E, K = logits_TE.shape[0], cfg.num_experts, cfg.top_k
         aux_on = (self.training and torch.is_grad_enabled() and cfg.aux_loss_type == "aux_loss"

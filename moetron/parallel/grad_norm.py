@@ -58,7 +58,7 @@ def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> Non
     every gradient that spares it a device sync, which the trainer makes anyway to read the norm."""
     coef = max_norm / (norm + 1e-6)
     if bool(coef < 1.0):
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        torch._foreach_mul_(grads, coef)  # fp32, as torch's (whatever the gradients' dtype)
 
 
 def all_reduce_sum(t: torch.Tensor, group: Group) -> None:
