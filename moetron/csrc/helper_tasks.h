@@ -16,8 +16,26 @@
 #include <memory>
 #include <thread>
 
+// MKL's thread count is per thread: torch sets the calling thread's, but an inter-op pool thread keeps the
+// count it started with (the machine's cores), so a helper's BLAS call could split its piece over an OpenMP
+// team: the rows' bits then depend on the split, and the team oversubscribes the cores. MKL's C entry point
+// (mkl_service.h maps mkl_set_num_threads_local to it; the lower-case symbol is the Fortran one, by
+// reference). Weak: torch builds without MKL have no such call (and no such problem).
+extern "C" __attribute__((weak)) int MKL_Set_Num_Threads_Local(int);
+
 namespace moetron {
 namespace {
+
+// One BLAS thread on this thread while it lives (the previous setting back after).
+struct SequentialBlas {
+  int previous = 0;
+  SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) previous = MKL_Set_Num_Threads_Local(1);
+  }
+  ~SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(previous);
+  }
+};
 
 // fn(i) for every i in [0, n), on the calling thread and `helpers` inter-op tasks; the first exception
 // stops new tasks and is rethrown here. fn may refer to the caller's data: it runs only while the caller
@@ -45,6 +63,7 @@ inline void run_with_helpers(int64_t n, int64_t helpers, const std::function<voi
   for (int64_t h = 0; h < helpers; ++h) {
     at::launch([shared, take] {
       shared->busy.fetch_add(1);  // before taking a task: the caller then waits for it
+      SequentialBlas sequential;  // as the caller's own pieces run
       take(*shared);
       shared->busy.fetch_sub(1);
     });
