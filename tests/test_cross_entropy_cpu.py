@@ -40,7 +40,7 @@ def test_loss_and_gradient_within_a_few_ulp_of_float64(shape):
     labels = torch.randint(0, shape[-1], shape[:-1], generator=g)
     labels.view(-1)[::7] = -100  # ignored rows (padding, a document's first token)
     grad = torch.tensor(0.37)
-    fn = lambda x, y: cross_entropy_cpu.CrossEntropyFunction.apply(x, y, -100)  # noqa: E731
+    fn = lambda x, y: cross_entropy_cpu.cross_entropy(x, y, -100)  # noqa: E731
     loss, dx = _loss_and_grad(fn, logits, labels, grad)
     want, want_dx = _loss_and_grad(_reference, logits.double(), labels, grad.double())
     torch_loss, torch_dx = _loss_and_grad(_reference, logits, labels, grad)
@@ -57,7 +57,7 @@ def test_loss_and_gradient_within_a_few_ulp_of_float64(shape):
 def test_every_row_ignored_gives_zero_loss_and_gradient():
     logits = torch.randn(4, 9)
     labels = torch.full((4,), 3)
-    loss, dx = _loss_and_grad(lambda x, y: cross_entropy_cpu.CrossEntropyFunction.apply(x, y, 3), logits, labels,
+    loss, dx = _loss_and_grad(lambda x, y: cross_entropy_cpu.cross_entropy(x, y, 3), logits, labels,
                               torch.tensor(1.0))
     assert float(loss) == 0.0 and torch.equal(dx, torch.zeros(4, 9))
 
@@ -65,7 +65,7 @@ def test_every_row_ignored_gives_zero_loss_and_gradient():
 def test_a_label_out_of_range_names_its_row():
     labels = torch.tensor([1, 2, 9, 0])
     with pytest.raises(RuntimeError, match="label 9 of row 2 is out of range for 9 classes"):
-        cross_entropy_cpu.CrossEntropyFunction.apply(torch.randn(4, 9), labels, -100)
+        cross_entropy_cpu.cross_entropy(torch.randn(4, 9), labels, -100)
 
 
 def test_non_finite_logits_give_a_non_finite_loss():
@@ -73,7 +73,7 @@ def test_non_finite_logits_give_a_non_finite_loss():
     for bad in (math.nan, math.inf):
         logits = torch.randn(3, 20)
         logits[1, 5] = bad
-        loss = cross_entropy_cpu.CrossEntropyFunction.apply(logits, torch.tensor([0, 1, 2]), -100)
+        loss = cross_entropy_cpu.cross_entropy(logits, torch.tensor([0, 1, 2]), -100)
         assert not math.isfinite(float(loss))
 
 
@@ -97,12 +97,12 @@ def test_the_models_loss_goes_through_it_under_cpp(cpp_fusion):
     labels = ids.clone()
     labels[:, 0] = -100
     seen = []
-    real = cross_entropy_cpu.CrossEntropyFunction.apply
-    cross_entropy_cpu.CrossEntropyFunction.apply = lambda *a: seen.append(1) or real(*a)
+    real = cross_entropy_cpu.cross_entropy
+    cross_entropy_cpu.cross_entropy = lambda *a: seen.append(1) or real(*a)
     try:
         fused = model(ids, labels=labels).loss
     finally:
-        cross_entropy_cpu.CrossEntropyFunction.apply = real
+        cross_entropy_cpu.cross_entropy = real
     ops.set_fusion("none")
     eager = model(ids, labels=labels).loss
     assert seen == [1]

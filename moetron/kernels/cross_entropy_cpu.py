@@ -30,19 +30,27 @@ def applies(logits: torch.Tensor, labels: torch.Tensor) -> bool:
 
 
 class CrossEntropyFunction(torch.autograd.Function):
-    """sum over the rows not labelled `ignore_index` of `logsumexp(logits[n]) - logits[n, labels[n]]`."""
+    """sum over the rows not labelled `ignore_index` of `logsumexp(logits[n]) - logits[n, labels[n]]`.
+
+    `kernels` computes it: this module's `ops()` (C++) or moetron.kernels.triton_cross_entropy, each
+    with `forward(x, y, ignore_index) -> (losses, lse)` and `backward(grad, x, y, lse, ignore_index)`."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-        x, y = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-        losses, lse = ops().forward(x, y, ignore_index)
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, kernels) -> torch.Tensor:
+        x, y = logits.reshape(-1, logits.shape[-1]).contiguous(), labels.reshape(-1).contiguous()
+        losses, lse = kernels.forward(x, y, ignore_index)
         ctx.save_for_backward(x, y, lse)
-        ctx.shape, ctx.ignore_index = logits.shape, ignore_index
+        ctx.shape, ctx.ignore_index, ctx.kernels = logits.shape, ignore_index, kernels
         return losses.sum()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         x, y, lse = ctx.saved_tensors
-        dx = ops().backward(grad, x, y, lse, ctx.ignore_index)
-        return dx.view(ctx.shape), None, None
+        dx = ctx.kernels.backward(grad, x, y, lse, ctx.ignore_index)
+        return dx.view(ctx.shape), None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The summed loss through the C++ kernels (autograd: one C++ pass back)."""
+    return CrossEntropyFunction.apply(logits, labels, ignore_index, ops())

@@ -9,7 +9,7 @@ fused_swiglu.py, cross_entropy_cpu.py: RoPE bit for bit, the others within a few
 router reads it too (moetron/kernels/fused_router.py);
 `set_fusion("triton")` sends CUDA RMSNorm to one Triton kernel each way (moetron/kernels/triton_rmsnorm.py:
 on a GPU a step's eager norms were ~8 launches forward and ~12 backward each, with the host behind), and
-the MoE router reads it too (moetron/kernels/triton_router.py).
+the token cross-entropy too (triton_cross_entropy.py); the MoE router reads it (triton_router.py).
 Library kernels (Liger, Transformer Engine) plug in the same way.
 
 Eagerly (`none`), fp32 RMSNorm and halves-layout RoPE run as autograd Functions: the reference's
@@ -31,13 +31,14 @@ FUSION_MODES = ("none", "cpp", "triton", "compile")
 _mode = "none"
 _compiled: dict[str, Callable] = {}
 _triton_rmsnorm = None  # moetron.kernels.triton_rmsnorm, imported by set_fusion("triton")
+_triton_ce = None  # moetron.kernels.triton_cross_entropy, likewise
 
 
 def set_fusion(mode: str) -> None:
     """Choose `none` (reference eager ops), `cpp` (C++ RMSNorm, RoPE and the experts' weighted
     SwiGLU on CPU tensors, built on first use: raises `CppBuildError` when it cannot be), `triton`
     (Triton RMSNorm on CUDA tensors; needs the triton package) or `compile` (torch.compile'd kernels)."""
-    global _mode, _triton_rmsnorm
+    global _mode, _triton_rmsnorm, _triton_ce
     if mode not in FUSION_MODES:
         raise ValueError(f"fusion mode {mode!r} is unknown; choose one of {FUSION_MODES}")
     if mode == "cpp":
@@ -45,8 +46,8 @@ def set_fusion(mode: str) -> None:
     if mode == "triton" and _triton_rmsnorm is None:
         if not availability.triton_installed():
             raise ValueError("fusion mode 'triton' needs the triton package (pip install triton)")
-        from moetron.kernels import triton_rmsnorm
-        _triton_rmsnorm = triton_rmsnorm
+        from moetron.kernels import triton_cross_entropy, triton_rmsnorm
+        _triton_rmsnorm, _triton_ce = triton_rmsnorm, triton_cross_entropy
     _mode = mode
 
 
@@ -243,7 +244,10 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Summed token cross-entropy in fp32 (divide by the token count you want). Under `cpp`, fp32 CPU
-    logits take one C++ pass each way (moetron/kernels/cross_entropy_cpu.py: within a few ulp)."""
+    logits take one C++ pass each way (moetron/kernels/cross_entropy_cpu.py: within a few ulp), under
+    `triton` CUDA logits one Triton kernel each way (moetron/kernels/triton_cross_entropy.py)."""
     if _mode == "cpp" and cross_entropy_cpu.applies(logits, labels):
-        return cross_entropy_cpu.CrossEntropyFunction.apply(logits, labels, ignore_index)
+        return cross_entropy_cpu.cross_entropy(logits, labels, ignore_index)
+    if _mode == "triton" and _triton_ce.applies(logits, labels):
+        return _triton_ce.cross_entropy(logits, labels, ignore_index)
     return _dispatch("cross_entropy", _cross_entropy_ref)(logits, labels, ignore_index)
