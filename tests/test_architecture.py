@@ -18,7 +18,7 @@ OPTIONAL = ("triton", "transformer_engine", "deep_ep", "flash_attn", "grouped_ge
             "transformers", "wandb", "torch.distributed._symmetric_memory", "torch.distributed.c10d_logger",
             "torch._C._autograd", "torch.utils.cpp_extension", "torch.utils.tensorboard",
             "moetron.kernels.triton_permute", "moetron.kernels.triton_swiglu", "moetron.kernels.triton_rmsnorm",
-            "moetron.kernels.triton_router", "moetron.kernels.triton_cross_entropy",
+            "moetron.kernels.triton_router", "moetron.kernels.triton_cross_entropy", "moetron.kernels.triton_rope",
             "torch.distributed.fsdp", "torch.distributed.device_mesh")  # the last two: ZeRO-3 only, ~0.5 s to import
 # The package root and the command line's entry import torch-loading modules on first use: OpenMP's wait
 # policy must be set before torch loads its OpenMP runtime (moetron/__main__.py).

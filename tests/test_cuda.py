@@ -168,7 +168,8 @@ def test_triton_router_matches_the_eager_router(T, E, K, normalize):
 
 # ------------------------------------------------------------------ grouped GEMM + MoE layer
 
-@pytest.mark.parametrize("N, V, dtype", [(8192, 32768, torch.bfloat16), (1000, 50257, torch.float32), (37, 100, torch.float16)])
+@pytest.mark.parametrize("N, V, dtype", [(8192, 32768, torch.bfloat16), (1000, 50257, torch.float32),
+                                         (37, 100, torch.float16)])
 def test_triton_cross_entropy_matches_fp64(N, V, dtype):
     """The compiled Triton cross-entropy against fp64 `F.cross_entropy` on the same GPU: the summed loss
     within 1e-6 relative, the logits' gradient within one rounding of the exact value (as torch's own
@@ -194,11 +195,41 @@ def test_triton_cross_entropy_matches_fp64(N, V, dtype):
     u = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}[dtype]
     # one rounding of the exact value, fp32 noise before it (a value near a rounding tie may go either way)
     bound = (u + 1e-5) * want_dx.abs() + u * torch.finfo(dtype).tiny + 1e-7 * float(grad)
-    print(f"triton cross-entropy {dtype} [{N}, {V}]: loss rel err {abs(float(loss - want)) / float(want):.1e} "
-          f"(torch {abs(float(ref - want)) / float(want):.1e}), grad max err / bound "
-          f"{float(((dx - want_dx).abs() / bound).max()):.2f} (torch {float(((ref_dx - want_dx).abs() / bound).max()):.2f})")
+    rel = lambda v: abs(float(v - want)) / float(want)  # noqa: E731
+    worst = lambda d: float(((d - want_dx).abs() / bound).max())  # noqa: E731
+    print(f"triton cross-entropy {dtype} [{N}, {V}]: loss rel err {rel(loss):.1e} (torch {rel(ref):.1e}), "
+          f"grad max err / bound {worst(dx):.2f} (torch {worst(ref_dx):.2f})")
     assert abs(float(loss - want)) <= 1e-6 * float(want)
     assert ((dx - want_dx).abs() <= bound).all() and not dx[labels == -100].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_rope_matches_the_eager_rope(dtype):
+    """The compiled Triton RoPE against the eager `_RopeFunction` on the same GPU, on the proxy's q
+    (a transposed [4, 2048, 16, 64] view): bf16 and fp16 the same bits (each product exact in fp32,
+    then rounded as torch rounds it), fp32 within 1 ulp (the GPU may fuse the multiply-add)."""
+    from moetron.kernels import triton_rope
+    from moetron.ops.functional import _rope_eager
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(4, 2048, 16, 64, device=DEV, generator=g).to(dtype).transpose(1, 2)
+    angles = torch.rand(1, 2048, 32, device=DEV, generator=g, dtype=torch.float64) * 6.3
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    dy = torch.randn(4, 16, 2048, 64, device=DEV, generator=g).to(dtype)
+    results = []
+    for fn in (triton_rope.RopeFunction.apply, lambda x, c, s: _rope_eager(x, c, s, False)):
+        xi = x.detach().transpose(1, 2).clone().transpose(1, 2).requires_grad_()
+        out = fn(xi, cos, sin)
+        out.backward(dy)
+        results.append((out.detach(), xi.grad))
+    (out, dx), (want, want_dx) = results
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=2.4e-7, atol=1e-6)  # 1e-6: a near-cancelling sum
+        torch.testing.assert_close(dx, want_dx, rtol=2.4e-7, atol=1e-6)
+    else:
+        assert torch.equal(out, want) and torch.equal(dx, want_dx)
+    assert dx.stride() == x.stride()
 
 
 def test_grouped_linear_backends_agree_on_cuda_bf16():

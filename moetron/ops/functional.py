@@ -9,7 +9,8 @@ fused_swiglu.py, cross_entropy_cpu.py: RoPE bit for bit, the others within a few
 router reads it too (moetron/kernels/fused_router.py);
 `set_fusion("triton")` sends CUDA RMSNorm to one Triton kernel each way (moetron/kernels/triton_rmsnorm.py:
 on a GPU a step's eager norms were ~8 launches forward and ~12 backward each, with the host behind), and
-the token cross-entropy too (triton_cross_entropy.py); the MoE router reads it (triton_router.py).
+RoPE and the token cross-entropy too (triton_rope.py, triton_cross_entropy.py); the MoE router reads
+it (triton_router.py).
 Library kernels (Liger, Transformer Engine) plug in the same way.
 
 Eagerly (`none`), fp32 RMSNorm and halves-layout RoPE run as autograd Functions: the reference's
@@ -31,14 +32,15 @@ FUSION_MODES = ("none", "cpp", "triton", "compile")
 _mode = "none"
 _compiled: dict[str, Callable] = {}
 _triton_rmsnorm = None  # moetron.kernels.triton_rmsnorm, imported by set_fusion("triton")
-_triton_ce = None  # moetron.kernels.triton_cross_entropy, likewise
+_triton_ce = _triton_rope = None  # moetron.kernels.triton_cross_entropy and triton_rope, likewise
 
 
 def set_fusion(mode: str) -> None:
     """Choose `none` (reference eager ops), `cpp` (C++ RMSNorm, RoPE and the experts' weighted
     SwiGLU on CPU tensors, built on first use: raises `CppBuildError` when it cannot be), `triton`
-    (Triton RMSNorm on CUDA tensors; needs the triton package) or `compile` (torch.compile'd kernels)."""
-    global _mode, _triton_rmsnorm, _triton_ce
+    (Triton RMSNorm, RoPE and cross-entropy on CUDA tensors; needs the triton package) or `compile`
+    (torch.compile'd kernels)."""
+    global _mode, _triton_rmsnorm, _triton_ce, _triton_rope
     if mode not in FUSION_MODES:
         raise ValueError(f"fusion mode {mode!r} is unknown; choose one of {FUSION_MODES}")
     if mode == "cpp":
@@ -46,8 +48,8 @@ def set_fusion(mode: str) -> None:
     if mode == "triton" and _triton_rmsnorm is None:
         if not availability.triton_installed():
             raise ValueError("fusion mode 'triton' needs the triton package (pip install triton)")
-        from moetron.kernels import triton_cross_entropy, triton_rmsnorm
-        _triton_rmsnorm, _triton_ce = triton_rmsnorm, triton_cross_entropy
+        from moetron.kernels import triton_cross_entropy, triton_rmsnorm, triton_rope
+        _triton_rmsnorm, _triton_ce, _triton_rope = triton_rmsnorm, triton_cross_entropy, triton_rope
     _mode = mode
 
 
@@ -229,6 +231,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     if (_mode == "cpp" and not interleaved and not (cos.requires_grad or sin.requires_grad)
             and norm_rope_cpu.rope_applies(x, cos, sin)):
         return norm_rope_cpu.RopeFunction.apply(x, cos.unsqueeze(1), sin.unsqueeze(1))
+    if _mode == "triton" and not interleaved and _triton_rope.applies(x, cos, sin):
+        return _triton_rope.RopeFunction.apply(x, cos, sin)
     return _rope_eager(x, cos, sin, interleaved)
 
 
