@@ -184,10 +184,10 @@ def test_triton_cross_entropy_matches_fp64(N, V, dtype):
     labels[::7] = -100
     grad = torch.tensor(1 / 41, device=DEV)
     results = []
-    for fn in (lambda x: triton_cross_entropy.cross_entropy(x, labels, -100),
-               lambda x: F.cross_entropy(x.double(), labels, reduction="sum"),
-               lambda x: F.cross_entropy(x.float(), labels, reduction="sum")):
-        x = logits.clone().requires_grad_()
+    for fn, leaf in ((lambda x: triton_cross_entropy.cross_entropy(x, labels, -100), logits),
+                     (lambda x: F.cross_entropy(x, labels, reduction="sum"), logits.double()),  # an fp64 leaf
+                     (lambda x: F.cross_entropy(x.float(), labels, reduction="sum"), logits)):
+        x = leaf.clone().requires_grad_()
         loss = fn(x)
         loss.backward(grad.to(loss.dtype))
         results.append((loss.detach().double(), x.grad.double()))
