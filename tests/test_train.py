@@ -225,3 +225,21 @@ def test_precision_and_device_fields_are_checked():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="train.device=cuda"):
             build_run(apply_overrides(get_recipe("qwen3-moe-tiny"), SMALL + ["train.device=cuda"]))
+
+
+def test_load_metrics_summarise_each_layer_and_count_idle_experts():
+    """The step's load line: per layer max/mean and dropped fraction, the worst of each, and the experts
+    that got no token (a collapse sign), from one read of every layer's totals; a layer that routed
+    nothing is left out."""
+    from types import SimpleNamespace
+
+    totals = {0: [6.0, 0.0, 2.0, 0.0, 8.0], 1: [0.0, 0.0, 0.0, 0.0, 0.0], 3: [3.0, 3.0, 1.0, 1.0, 10.0]}
+    layers = {i: SimpleNamespace(load_totals=lambda t=t: torch.tensor(t, dtype=torch.float64))
+              for i, t in totals.items()}
+    model = SimpleNamespace(moe_layers_by_index=lambda: layers, config=SimpleNamespace(num_layers=3))
+    run = SimpleNamespace(model=model, ps=SimpleNamespace(world=SimpleNamespace(size=1)))
+    m = trainer._load_metrics(run)
+    assert m["moe_load"] == {"layer0": {"max_over_mean": 3.0, "dropped_fraction": 0.0},
+                             "mtp1": {"max_over_mean": 1.5, "dropped_fraction": pytest.approx(0.2)}}
+    assert m["max_over_mean_load"] == 3.0 and m["dropped_fraction"] == pytest.approx(0.2)
+    assert m["idle_experts"] == 2  # layer 0's; layer 1 routed nothing and is left out

@@ -311,10 +311,10 @@ def _load_metrics(run: TrainingRun) -> dict:
         totals = torch.stack([layer.load_totals() for layer in layers.values()])
         if run.ps.world.size > 1:
             dist.all_reduce(totals, group=run.ps.world.handle)
-        for i, row in zip(layers, totals.cpu()):  # one device sync for every layer
-            if load_summary(row):  # layers that routed no token are left out
-                stats[i] = load_summary(row)
-                idle += int((row[:-1] == 0).sum())  # experts that got no token: a collapse sign
+        for i, row in zip(layers, totals.tolist()):  # one device sync for every layer
+            if summary := load_summary(row):  # layers that routed no token are left out
+                stats[i] = summary
+                idle += row[:-1].count(0)  # experts that got no token: a collapse sign
     num_layers = run.model.config.num_layers
     per_layer = {(f"layer{i}" if i < num_layers else f"mtp{i - num_layers + 1}"): s for i, s in stats.items()}
     return {"max_over_mean_load": max((s["max_over_mean"] for s in stats.values()), default=None),
