@@ -79,8 +79,8 @@ def resolve_fusion(mode: str, device: torch.device, fp8: bool = False,
             if mode == "triton":
                 raise ValueError("train.fusion=triton needs the triton package: pip install triton "
                                  "(or use train.fusion=auto, none or compile)")
-            return "none", ("fusion: eager RMSNorm and router (python package 'triton' is not installed: "
-                            "pip install triton)")
+            return "none", ("fusion: eager RMSNorm, RoPE, cross-entropy and router (python package 'triton' "
+                            "is not installed: pip install triton)")
         return "triton", None
     if mode not in ("auto", "cpp"):
         return mode, None
