@@ -7,6 +7,8 @@
 #   SIZES=mid,proxy ...                                    # train_step.py's sizes (default tiny,mid,proxy)
 #   STEPS="profile compile" ...                            # the trainer's profile (Chrome trace); compiled
 #   STEPS="trainer trainer_eager" ...                      # A/B: Triton vs eager RMSNorm
+#   OLD=.old STEPS=trainer_ab ...                          # A/B: this tree against a baseline checkout, e.g.
+#       `git worktree add .old <commit>`, listed in .git/info/exclude and carried to the GPU machine
 #
 # Runs from the source tree (PYTHONPATH, no install) with the machine's own torch. Each part has its
 # own time limit, so one that hangs leaves the others their time; every part's log is $OUT/<part>.txt
@@ -23,6 +25,16 @@ PROXY="--set model.hidden_size=1024 --set model.num_layers=8 --set model.num_att
  --set model.moe_intermediate_size=768 --set model.num_experts=64 --set model.top_k=8
  --set model.vocab_size=32768 --set model.max_position_embeddings=4096 --set train.seq_len=2048
  --set train.micro_batch_size=4 --set train.device=cuda --set train.dtype=bf16 --set train.peak_tflops=989"
+
+ab_runs() {  # the trainer on the proxy, $OLD and this tree alternating, twice each, on one machine
+    local round side dir
+    for round in 1 2; do for side in old new; do
+        dir=$PWD; [ "$side" = old ] && dir=$OLD
+        echo "$side run $round, steps 6-16, tokens/s sorted: $(cd "$dir" && PYTHONPATH=$dir timeout 60 $PY -m moetron \
+            train $PROXY --set train.steps=16 --set train.log_every=1 2>&1 |
+            sed -n 's/^step *\([0-9]*\)\/16 .*| \([0-9]*\) tok\/s.*/\1 \2/p' | awk '$1 > 5 {print $2}' | sort -n | tr '\n' ' ')"
+    done; done
+}
 
 part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.txt
     local name=$1 limit=$2; shift 2
@@ -51,6 +63,8 @@ for step in $STEPS; do
     # A/B on the same machine: the trainer with eager RMSNorm
     trainer_eager) part trainer_eager 100 $PY -m moetron train $PROXY --set train.fusion=none --set train.steps=30 \
                        --set train.log_every=1 ;;
+    trainer_ab) if [ -z "${OLD:-}" ] || [ ! -d "$OLD/moetron" ]; then echo "trainer_ab: set OLD to a baseline checkout"
+                else part trainer_ab 260 bash -c "$(declare -f ab_runs); PY=$PY PROXY='$PROXY' OLD=$(realpath "$OLD") ab_runs"; fi ;;
     profile) part profile_step 120 $PY benchmarks/profile_step.py $PROXY --warmup 4 --steps 2 --rows 45 \
                  --trace "$OUT/proxy_step_trace.json.gz" ;;
     compile) part compile 180 $PY -m moetron train $PROXY --set train.fusion=compile --set train.steps=25 \
@@ -60,13 +74,14 @@ for step in $STEPS; do
 done
 
 echo; echo "##### summary"
-for f in tests moe_layer train_step trainer trainer_eager profile_step compile; do
+for f in tests moe_layer train_step trainer trainer_eager trainer_ab profile_step compile; do
     [ -f "$OUT/$f.txt" ] || continue
     echo "----- $f"
     case $f in
     tests) grep -E "passed|failed|error|SKIPPED|^(bf16|FP8|grouped|trainer)" "$OUT/$f.txt" | tail -12 ;;
     moe_layer) grep -E -A7 "^candidate" "$OUT/$f.txt"; grep -E "^moetron:" "$OUT/$f.txt" ;;
     train_step) grep -E -A6 "^size" "$OUT/$f.txt" ;;
+    trainer_ab) grep -E "^(old|new) run" "$OUT/$f.txt" ;;
     trainer*|compile) grep -E "^(recipe|memory|step +(1|5|10|15|20|25|30)/|done)" "$OUT/$f.txt" ;;
     profile_step) grep "profiled steps" "$OUT/$f.txt" ;;
     esac
