@@ -89,7 +89,8 @@ class MoETransformer(nn.Module):
         return lm_cross_entropy(logits, labels)
 
     def moe_layers(self) -> list[MoELayer]:
-        return [m for m in self.modules() if isinstance(m, MoELayer)]
+        """Every MoE layer (decoder layers, then MTP), without a walk over all modules: called every step."""
+        return list(self.moe_layers_by_index().values())
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> ModelOutput:

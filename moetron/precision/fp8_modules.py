@@ -125,7 +125,9 @@ def cache_fp8_weights(model: nn.Module):
 
     Wrap no optimizer step in it: optimizers write parameters in place (moetron's through views of
     a flat buffer, which torch's version counters do not see), so the cache lives for the block only."""
-    modules = [m for m in model.modules() if hasattr(m, "_fp8_weight_cache")]
+    # the attribute sits in the instance's __dict__ (_init_fp8): hasattr would go through nn.Module's
+    # __getattr__ and raise for every other module, ~0.3 ms a step for a 4-layer model without FP8
+    modules = [m for m in model.modules() if "_fp8_weight_cache" in m.__dict__]
     for m in modules:
         m._fp8_weight_cache.clear()
         m.fp8_cache_weights = m.fp8_recipe.scaling != "delayed"  # delayed: its history moves every call
