@@ -72,8 +72,14 @@ def applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
 
 
 def _dense(x: torch.Tensor) -> bool:
-    """No two elements share memory and none is skipped: `empty_like` then keeps x's strides."""
-    return torch.empty_like(x).stride() == x.stride()
+    """No two elements share memory and none is skipped (a permuted contiguous tensor): `empty_like`
+    then keeps x's strides (a size-1 dimension's stride is never used)."""
+    expected = 1
+    for d in sorted(range(x.dim()), key=x.stride):
+        if x.shape[d] != 1 and x.stride(d) != expected:
+            return False
+        expected *= x.shape[d]
+    return True
 
 
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
