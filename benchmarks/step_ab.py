@@ -10,6 +10,7 @@
     python benchmarks/step_ab.py --compare attention_kernel  # torch's flash attention, or moetron's C++ kernel
     python benchmarks/step_ab.py --compare cross_entropy    # torch's cross_entropy, or moetron's C++ pass
     python benchmarks/step_ab.py --compare grad_norm        # the gradient norm through torch's kernel, or BLAS dots
+    python benchmarks/step_ab.py --compare adamw_fast_path  # torch's AdamW.step, or its two kernel calls per group
     python benchmarks/step_ab.py --recipe deepseek-v3-tiny --set train.grad_accum=2 --steps 300 --runs 3
 
 On the shared 2-core development VM the same command's step medians move 10-15 % between runs, more
@@ -79,6 +80,9 @@ def _settings(name: str):
     if name == "grad_norm":
         return _switched(trainer, "_optimizer_step", _torch_clip_step,
                          ("torch's gradient norm", "the norm through BLAS dots"))
+    if name == "adamw_fast_path":
+        from moetron.optim.adamw import AdamW
+        return _switched(AdamW, "_fused_step", never, ("torch's AdamW.step", "the fused calls directly"))
     if name == "permute":
         from moetron.dispatch import permute
         return [("torch permute", lambda: permute.set_permute_impl("torch")),
@@ -102,7 +106,8 @@ def _torch_clip_step(run) -> float:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--compare", required=True, choices=("weight_grads", "helper", "attention_split", "permute", "router", "norm_rope",
-                                                       "stacked_projections", "attention_kernel", "cross_entropy", "grad_norm"))
+                                                       "stacked_projections", "attention_kernel", "cross_entropy", "grad_norm",
+                                                       "adamw_fast_path"))
     p.add_argument("--recipe", default="qwen3-moe-tiny")
     p.add_argument("--set", action="append", default=[], metavar="A.B=VALUE")
     p.add_argument("--steps", type=int, default=200, help="steps per run, the settings alternating")

@@ -94,6 +94,40 @@ def test_adamw_equals_torch_adamw_and_their_states_interchange(fused):
     assert str(fresh.state_dict()) == str(back.state_dict()) == str(state)
 
 
+
+def test_adamw_fused_fast_path_equals_torch_step_by_step(monkeypatch):
+    """The fused fast path (torch's two kernel calls per group, without its per-parameter Python) against
+    torch.optim.AdamW bit for bit, through the cases it must leave to torch's step: the first step (no
+    state), a parameter without a gradient, an empty group, a state reloaded mid-run; and it must run."""
+    from moetron.optim import adamw
+
+    slow, torch_step = [], adamw._STEP
+    monkeypatch.setattr(adamw, "_STEP", lambda *args: slow.append(1) or torch_step(*args))
+    torch.manual_seed(0)
+    ours_model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    torch_model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    torch_model.load_state_dict(ours_model.state_dict())
+    kw = dict(lr=3e-2, betas=(0.9, 0.95), fused=True)
+    ours = AdamW(_groups(ours_model) + [{"params": []}], **kw)
+    theirs = torch.optim.AdamW(_groups(torch_model) + [{"params": []}], **kw)
+    g = torch.Generator().manual_seed(1)
+    for step in range(7):
+        x = torch.randn(5, 6, generator=g)
+        for model, opt in ((ours_model, ours), (torch_model, theirs)):
+            for group in opt.param_groups:
+                group["lr"] = 3e-2 / (step + 1)
+            model(x).square().sum().backward()
+            if step == 3:  # a frozen bias this step: torch skips it, so the fast path must not run
+                model[2].bias.grad = None
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if step == 4:
+            ours.load_state_dict(ours.state_dict())  # new state tensors: read afresh, not cached
+        for a, b in zip(ours_model.parameters(), torch_model.parameters()):
+            assert torch.equal(a, b), step
+    assert str(ours.state_dict()) == str(theirs.state_dict())
+    assert len(slow) == 2, slow  # step 0 (no state yet) and step 3 (a gradient missing); 5 fast steps
+
 def test_a_trainer_step_never_imports_torch_dynamo():
     """torch.optim's first step / zero_grad imports torch._dynamo (about a second of start-up)."""
     code = """

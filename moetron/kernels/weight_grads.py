@@ -41,7 +41,7 @@ class _Pass:
             if task in mine:
                 task.run()
             else:
-                task.done.wait()
+                task.wait()
             error = error or task.error
         if error is not None:
             raise error

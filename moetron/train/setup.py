@@ -59,6 +59,12 @@ class TrainingRun:
     def is_main(self) -> bool:
         return self.ps.rank == 0
 
+    @functools.cached_property
+    def parameters(self) -> list[nn.Parameter]:
+        """The model's parameters in `model.parameters()` order, listed once: the trainer reads them every
+        step, and walking the module tree is ~0.2 ms of the tiny recipe's step."""
+        return list(self.model.parameters())
+
     @property
     def data_rank(self) -> tuple[int, int]:
         """(index, count) of this rank's data-parallel replica: ranks of one replica share data."""

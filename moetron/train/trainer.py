@@ -275,7 +275,7 @@ def _mean_over_replicas(run: TrainingRun, sums: dict[str, float], tokens: int) -
 
 def _device(run: TrainingRun) -> torch.device:
     """Where this rank's collectives of small host values go (NCCL needs a CUDA tensor)."""
-    return next(run.model.parameters()).device
+    return run.parameters[0].device
 
 
 def _nonfinite_ranks(run: TrainingRun, sums: dict[str, float]) -> list[int]:
@@ -294,7 +294,7 @@ def _optimizer_step(run: TrainingRun) -> float:
     """Clip and update; returns the global gradient norm (no update when it is not finite)."""
     if run.ddp is not None:
         return float(run.optimizer.step())  # moetron's optimizers skip a non-finite norm themselves
-    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+    grads = [p.grad for p in run.parameters if p.grad is not None]
     norm = sum_of_squares(grads, _device(run)).sqrt()
     if math.isfinite(float(norm)):  # the trainer reads the norm anyway: a sync either way
         clip_(grads, norm, run.recipe.train.grad_clip)
