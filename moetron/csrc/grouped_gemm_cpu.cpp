@@ -20,8 +20,10 @@
 // output element is summed as one BLAS call sums it: results equal per-expert matmuls
 // (tests/test_moe_layer.py: within 1e-6, equal in practice), the same bits for any thread count.
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
 #include <torch/library.h>
 

@@ -31,7 +31,7 @@ namespace {
 
 using at::Tensor;
 
-constexpr int64_t kLanes = 256;  // must equal DOT_LANES in kernels/numerics.py and the Triton kernel
+constexpr int64_t kDotLanes = 256;  // must equal DOT_LANES in kernels/numerics.py and the Triton kernel
 
 template <typename T>
 struct Acc {
@@ -245,7 +245,7 @@ std::tuple<Tensor, Tensor> unpermute_backward(const Tensor& grad_out, const std:
     scalar_t* gys = need_grad_y ? grad_y.data_ptr<scalar_t>() : nullptr;
     const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(H, 1));
     at::parallel_for(0, R, grain, [&](int64_t begin, int64_t end) {
-      acc_t lanes[kLanes];
+      acc_t lanes[kDotLanes];
       for (const auto r : c10::irange(begin, end)) {
         const int64_t s = sor[r];
         if (s < 0) {
@@ -262,13 +262,13 @@ std::tuple<Tensor, Tensor> unpermute_backward(const Tensor& grad_out, const std:
         }
         if (need_grad_w) {
           const scalar_t* yr = ys + r * H;
-          std::fill(lanes, lanes + kLanes, acc_t(0));
-          for (int64_t c = 0; c < H; c += kLanes) {
-            const int64_t n = std::min(kLanes, H - c);
+          std::fill(lanes, lanes + kDotLanes, acc_t(0));
+          for (int64_t c = 0; c < H; c += kDotLanes) {
+            const int64_t n = std::min(kDotLanes, H - c);
             for (const auto j : c10::irange(n))
               lanes[j] += static_cast<acc_t>(gt[c + j]) * static_cast<acc_t>(yr[c + j]);
           }
-          for (int64_t width = kLanes / 2; width >= 1; width /= 2)
+          for (int64_t width = kDotLanes / 2; width >= 1; width /= 2)
             for (const auto j : c10::irange(width)) lanes[j] = lanes[j] + lanes[j + width];
           gw[s] = lanes[0];
         }

@@ -31,7 +31,7 @@ namespace {
 
 using at::Tensor;
 
-constexpr int64_t kBlockRows = 64;  // psum / counts: rows per partial sum (fixed: results do not depend on threads)
+constexpr int64_t kSumBlockRows = 64;  // psum / counts: rows per partial sum (fixed: results do not depend on threads)
 
 bool before(float a, int64_t ia, float b, int64_t ib) {  // a ranks before b: NaN first, then larger, then lower id
   const bool na = std::isnan(a), nb = std::isnan(b);
@@ -57,7 +57,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> topk_softmax_forward(const Te
   const Tensor probs = at::_softmax(logits, 1, false);
   Tensor idx = at::empty({T, k}, logits.options().dtype(at::kLong));
   Tensor weights = at::empty({T, k}, logits.options());
-  const int64_t blocks = std::max<int64_t>(1, (T + kBlockRows - 1) / kBlockRows);
+  const int64_t blocks = std::max<int64_t>(1, (T + kSumBlockRows - 1) / kSumBlockRows);
   Tensor part_sums = at::zeros({blocks, E}, logits.options());
   Tensor part_counts = at::zeros({blocks, E}, logits.options().dtype(at::kLong));
   const float* pp = probs.const_data_ptr<float>();
@@ -70,7 +70,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> topk_softmax_forward(const Te
     for (int64_t blk = b0; blk < b1; ++blk) {
       float* sums = sp + blk * E;
       int64_t* counts = cp + blk * E;
-      for (int64_t t = blk * kBlockRows; t < std::min(T, (blk + 1) * kBlockRows); ++t) {
+      for (int64_t t = blk * kSumBlockRows; t < std::min(T, (blk + 1) * kSumBlockRows); ++t) {
         const float* p = pp + t * E;
         int64_t* it = ip + t * k;
         float* wt = wp + t * k;

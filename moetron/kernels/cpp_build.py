@@ -1,13 +1,13 @@
 """Build and load moetron's CPU kernels (`moetron/csrc/permute_cpu.cpp`, `swiglu_cpu.cpp`,
 `grouped_gemm_cpu.cpp`, `rmsnorm_rope_cpu.cpp`, `router_cpu.cpp`, `causal_attention_cpu.cpp`,
-`cross_entropy_cpu.cpp`: one library; the SwiGLU, attention and cross-entropy compile as one unit,
-`fma_kernels.cpp`)
+`cross_entropy_cpu.cpp`: one library, compiled as two units, `base_kernels.cpp` and `fma_kernels.cpp`)
 on first use, once per machine.
 
-`torch.utils.cpp_extension.load` compiles the file with ninja into
+`torch.utils.cpp_extension.load` compiles the units with ninja into
 `$TORCH_EXTENSIONS_DIR/moetron_permute_cpu-torch<version>-py<ver>/` (default
-`~/.cache/torch_extensions/...`) and rebuilds only when the source or the flags change; the first
-build takes about 15 s of CPU. Concurrent first builds wait on torch's lock file in that folder.
+`~/.cache/torch_extensions/...`) and rebuilds only when a source or the flags change; the first
+build takes about 45 s of CPU (~25 s wall on two cores). Concurrent first builds wait on torch's lock file
+in that folder.
 A finished build is also copied there under a name that hashes its inputs (sources, flags, torch and
 Python versions): a later process that finds that file loads it directly, without importing
 `torch.utils.cpp_extension` or running ninja (about 0.3 s of every start-up); the copy is written
@@ -45,10 +45,11 @@ NORM_SOURCE = SOURCE.with_name("rmsnorm_rope_cpu.cpp")  # likewise
 ROUTER_SOURCE = SOURCE.with_name("router_cpu.cpp")  # likewise
 ATTENTION_SOURCE = SOURCE.with_name("causal_attention_cpu.cpp")  # likewise
 CE_SOURCE = SOURCE.with_name("cross_entropy_cpu.cpp")  # likewise
-FMA_UNIT = SOURCE.with_name("fma_kernels.cpp")  # compiles SWIGLU_SOURCE, ATTENTION_SOURCE and CE_SOURCE as one unit
-# included by the compiled sources: part of the build's inputs
-HEADERS = (SOURCE.with_name("simd_math.h"), SOURCE.with_name("helper_tasks.h"), SWIGLU_SOURCE, ATTENTION_SOURCE,
-           CE_SOURCE)
+# The two translation units compiled: each includes several of the files above (torch's headers cost every
+# unit ~10 s of CPU; see base_kernels.cpp)
+BASE_UNIT = SOURCE.with_name("base_kernels.cpp")  # SOURCE, NORM_SOURCE, ROUTER_SOURCE and GEMM_SOURCE
+FMA_UNIT = SOURCE.with_name("fma_kernels.cpp")  # SWIGLU_SOURCE, ATTENTION_SOURCE and CE_SOURCE
+SIMD_HEADER, TASKS_HEADER = SOURCE.with_name("simd_math.h"), SOURCE.with_name("helper_tasks.h")
 # -ffp-contract=off: no FMA contraction, the fused numerics equal the torch reference bit for bit.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
@@ -73,14 +74,21 @@ def _missing_tool() -> str | None:
         return "torch.utils.cpp_extension is unavailable"
     if not is_ninja_available():
         return "ninja is not installed (pip install ninja)"
-    for source in _sources() + HEADERS:
+    for source in _inputs():
         if not source.is_file():
             return f"source {source} not found (moetron installed without csrc/)"
     return None
 
 
 def _sources() -> tuple[Path, ...]:
-    return SOURCE, FMA_UNIT, GEMM_SOURCE, NORM_SOURCE, ROUTER_SOURCE
+    """The translation units the build compiles."""
+    return BASE_UNIT, FMA_UNIT
+
+
+def _inputs() -> tuple[Path, ...]:
+    """Every file the build reads: the units and the files they include."""
+    return _sources() + (SOURCE, NORM_SOURCE, ROUTER_SOURCE, GEMM_SOURCE, SWIGLU_SOURCE, ATTENTION_SOURCE, CE_SOURCE,
+                         SIMD_HEADER, TASKS_HEADER)
 
 
 def build_directory(name: str = EXTENSION_NAME) -> Path:
@@ -168,7 +176,7 @@ def load_permute_ops(verbose: bool = False):
 def _inputs_hash() -> str | None:
     """A digest of everything the library is built from, or None when a source is missing."""
     digest = hashlib.sha256(repr((EXTENSION_NAME, CFLAGS, LDFLAGS, torch.__version__, sys.version)).encode())
-    for source in _sources() + HEADERS:
+    for source in _inputs():
         try:
             digest.update(source.read_bytes())
         except OSError:
