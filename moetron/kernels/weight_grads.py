@@ -28,6 +28,7 @@ class _Pass:
         self.weights: dict[int, torch.Tensor] = {}  # id -> weight, in the order of their first gradient
         self.grads_before: dict[int, tuple] = {}  # id -> the weight's .grad when the pass began
         self.sums: dict[int, torch.Tensor] = {}  # id -> the weight's gradients of this pass, summed
+        self.nodes: dict[int, object] = {}  # id -> the weight's AccumulateGrad node (the pass's graph holds it)
 
     def add(self, key: int, grad: torch.Tensor) -> None:  # on the helper, in submission order
         self.sums[key] = grad if key not in self.sums else self.sums[key] + grad
@@ -103,7 +104,7 @@ def defer_weight_grads(weights, compute: Callable[[], torch.Tensor]) -> bool:
     state = _pass
     if not weight_grads_active() or any(w is None or not w.is_leaf or _has_hooks(w) for w in weights):
         return False
-    if not all(_accumulates(w) for w in weights):  # e.g. torch.autograd.grad(..., inputs=x): dropped
+    if not all(_accumulates(w, state.nodes) for w in weights):  # e.g. torch.autograd.grad(..., inputs=x): dropped
         return False
     keys = [id(w) for w in weights]
     for key, weight in zip(keys, weights):
@@ -122,14 +123,18 @@ def defer_weight_grads(weights, compute: Callable[[], torch.Tensor]) -> bool:
     return True
 
 
-def _accumulates(weight: torch.Tensor) -> bool:
-    """Whether the running backward pass adds to `weight.grad` (a `torch.autograd.grad` call does not)."""
+def _accumulates(weight: torch.Tensor, nodes: dict) -> bool:
+    """Whether the running backward pass adds to `weight.grad` (a `torch.autograd.grad` call does not).
+    `nodes` keeps each weight's AccumulateGrad node for the pass: finding it makes a view of the weight."""
     edge, will_run = getattr(torch.autograd.graph, "get_gradient_edge", None), \
         getattr(torch._C, "_will_engine_execute_node", None)
     if edge is None or will_run is None:
         return False
     try:
-        return will_run(edge(weight).node)
+        node = nodes.get(id(weight))
+        if node is None:
+            node = nodes[id(weight)] = edge(weight).node
+        return will_run(node)
     except RuntimeError:  # not inside a backward pass
         return False
 

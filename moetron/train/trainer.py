@@ -334,7 +334,8 @@ def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token
     if run.ddp is not None:
         run.ddp.zero_grad()
     run.model.reset_load_stats()
-    with guard("in the forward/backward pass"), cache_fp8_weights(run.model):  # FP8: Q(W) once per step
+    fp8_cache = cache_fp8_weights(run.model) if t.fp8 else contextlib.nullcontext()  # FP8: Q(W) once per step
+    with guard("in the forward/backward pass"), fp8_cache:
         sums, tokens = _forward_backward(run, data, step)
     with guard("in the gradient reduction and loss check"):
         if run.ddp is not None:
