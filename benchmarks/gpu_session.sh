@@ -6,6 +6,7 @@
 #   STEPS="tests moe train_step trainer" ...               # a subset, in that order (the default)
 #   SIZES=mid,proxy ...                                    # train_step.py's sizes (default tiny,mid,proxy)
 #   STEPS="profile compile" ...                            # the trainer's profile (Chrome trace); compiled
+#   STEPS="syncs" ...                                      # where a proxy step makes the host wait for the GPU
 #   STEPS="trainer trainer_eager" ...                      # A/B: Triton vs eager RMSNorm
 #   OLD=.old STEPS=trainer_ab ...                          # A/B: this tree against a baseline checkout, e.g.
 #       `git worktree add .old <commit>`, listed in .git/info/exclude and carried to the GPU machine
@@ -67,6 +68,7 @@ for step in $STEPS; do
                 else part trainer_ab 260 bash -c "$(declare -f ab_runs); PY=$PY PROXY='$PROXY' OLD=$(realpath "$OLD") ab_runs"; fi ;;
     profile) part profile_step 120 $PY benchmarks/profile_step.py $PROXY --warmup 4 --steps 2 --rows 45 \
                  --trace "$OUT/proxy_step_trace.json.gz" ;;
+    syncs) part syncs 120 $PY benchmarks/profile_step.py $PROXY --warmup 4 --steps 3 --syncs ;;
     compile) part compile 180 $PY -m moetron train $PROXY --set train.fusion=compile --set train.steps=25 \
                  --set train.log_every=1 ;;
     *) echo "unknown step $step" ;;
@@ -74,7 +76,7 @@ for step in $STEPS; do
 done
 
 echo; echo "##### summary"
-for f in tests moe_layer train_step trainer trainer_eager trainer_ab profile_step compile; do
+for f in tests moe_layer train_step trainer trainer_eager trainer_ab profile_step syncs compile; do
     [ -f "$OUT/$f.txt" ] || continue
     echo "----- $f"
     case $f in
@@ -84,6 +86,7 @@ for f in tests moe_layer train_step trainer trainer_eager trainer_ab profile_ste
     trainer_ab) grep -E "^(old|new) run" "$OUT/$f.txt" ;;
     trainer*|compile) grep -E "^(recipe|memory|step +(1|5|10|15|20|25|30)/|done)" "$OUT/$f.txt" ;;
     profile_step) grep "profiled steps" "$OUT/$f.txt" ;;
+    syncs) grep -A12 "synchronisations a step" "$OUT/$f.txt" ;;
     esac
     tail -1 "$OUT/$f.txt"
 done
