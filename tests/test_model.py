@@ -62,6 +62,29 @@ def test_mtp_loss_matches_a_hand_rolled_computation():
     assert out.aux_loss is None and out.num_tokens == int(valid.sum())
 
 
+
+@pytest.mark.parametrize("dtype,ignored", [(torch.float32, 0), (torch.float32, 37), (torch.bfloat16, 13), (torch.float32, 64)])
+def test_lm_loss_counts_its_labels_on_the_device_with_the_bits_of_an_int_count(dtype, ignored):
+    """No host int inside the forward (on a GPU it waits for the whole forward before the backward can be
+    queued): the count stays a tensor, and dividing by it gives the loss and gradient of dividing by the int."""
+    from moetron.model.model import IGNORE_INDEX, lm_cross_entropy
+    from moetron.ops.functional import cross_entropy
+
+    g = torch.Generator().manual_seed(ignored)
+    logits = torch.randn(64, 97, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, 97, (64,), generator=g)
+    labels[torch.randperm(64, generator=g)[:ignored]] = IGNORE_INDEX
+    count = int((labels != IGNORE_INDEX).sum())
+    want = cross_entropy(logits, labels, IGNORE_INDEX) / max(count, 1)
+    got, counted = lm_cross_entropy(logits, labels)
+    assert isinstance(counted, torch.Tensor) and counted.dim() == 0 and int(counted) == count
+    assert torch.equal(got, want) and (got > 0 or count == 0)
+    assert torch.equal(torch.autograd.grad(got, logits)[0], torch.autograd.grad(want, logits)[0])
+    model = MoETransformer(ModelConfig(**DEEPSEEK))
+    tokens = _ids()
+    out = model(tokens[:, :-1], labels=tokens[:, 1:])
+    assert isinstance(out.token_count, torch.Tensor) and out.num_tokens == 20 and isinstance(out.num_tokens, int)
+
 def test_output_without_labels_and_aux_fields():
     torch.manual_seed(1)
     cfg = ModelConfig(**{**DEEPSEEK, "num_mtp_layers": 0, "aux_loss_type": "seq_aux_loss", "aux_loss_coeff": 0.1})

@@ -38,7 +38,13 @@ class ModelOutput:
     mtp_loss: torch.Tensor | None = None
     total_loss: torch.Tensor | None = None
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
-    num_tokens: int = 0
+    token_count: torch.Tensor | int = 0  # the labels the LM loss averages over; a tensor where it was counted
+
+    @property
+    def num_tokens(self) -> int:
+        """`token_count` as an int: on a GPU reading it waits for the forward (the trainer reads it once the
+        backward is queued)."""
+        return int(self.token_count)
 
     @property
     def lm_loss(self) -> torch.Tensor | None:
@@ -51,10 +57,12 @@ class ModelOutput:
         return torch.stack(values).sum() if values else None
 
 
-def lm_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Mean token cross-entropy over the non-ignored labels, and their count."""
-    count = int((labels != IGNORE_INDEX).sum())
-    return cross_entropy(logits, labels, IGNORE_INDEX) / max(count, 1), count
+def lm_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean token cross-entropy over the non-ignored labels, and their count as a 0-dim int64 tensor on
+    the labels' device: counted as an int, it made the host wait for the whole forward on a GPU before it
+    could queue the backward. The mean is the same either way (the count converts to the loss's dtype)."""
+    count = (labels != IGNORE_INDEX).sum()
+    return cross_entropy(logits, labels, IGNORE_INDEX) / count.clamp(min=1), count
 
 
 class MoETransformer(nn.Module):
@@ -80,8 +88,9 @@ class MoETransformer(nn.Module):
             return nn.functional.linear(h, self.output_weight())
         return linear(h, self.lm_head.weight)
 
-    def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Mean cross-entropy of `head` logits over the non-ignored labels, and their count.
+    def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | int]:
+        """Mean cross-entropy of `head` logits over the non-ignored labels, and their count (an int or a
+        0-dim tensor).
 
         The one place the LM and MTP losses are computed from logits, so a model whose head is
         vocab-parallel (parallel/parallelize.py) swaps in the vocab-parallel cross-entropy here.
@@ -104,7 +113,7 @@ class MoETransformer(nn.Module):
         logits = self.head(self.norm(h))
         out = ModelOutput(logits=logits)
         if labels is not None:
-            out.loss, out.num_tokens = self.lm_loss(logits, labels)
+            out.loss, out.token_count = self.lm_loss(logits, labels)
             out.total_loss = out.loss
             if len(self.mtp):
                 out.mtp_loss = self._mtp_loss(h, input_ids, labels, rope)

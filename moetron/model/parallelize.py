@@ -277,7 +277,7 @@ class ContextParallelModel:
 
     def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
         loss, count = super().lm_loss(logits, labels)
-        return cp_reduce_loss(loss, count, self.cp_group)
+        return cp_reduce_loss(loss, int(count), self.cp_group)
 
     def shift_labels(self, labels: torch.Tensor, k: int) -> torch.Tensor:
         """`labels[:, i+k]` of the whole sequence at each local position i (IGNORE past the end)."""

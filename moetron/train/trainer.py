@@ -236,9 +236,8 @@ def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[
             sums["mtp_loss"] = float(result.mtp_loss)
         return sums, tokens
 
-    sums: dict[str, float] = {}
-    tokens = 0
     beside = _grads_beside(run)
+    pending = []  # each micro-batch's token count and losses, read once all are queued (a GPU read waits)
     for m, (inputs, labels) in enumerate(batches):
         last = m == len(batches) - 1
         sync = contextlib.nullcontext() if run.ddp is None or last else run.ddp.no_sync()
@@ -248,11 +247,14 @@ def _forward_backward(run: TrainingRun, data: TokenBatches, step: int) -> tuple[
             else:
                 out = run.model(inputs, labels=labels)
             (out.total_loss / count).backward()
-        tokens += out.num_tokens
         parts = {"loss": out.total_loss, "lm_loss": out.loss, "mtp_loss": out.mtp_loss, **out.aux_losses}
+        pending.append((out.token_count, {name: v.detach() for name, v in parts.items() if v is not None}))
+    sums: dict[str, float] = {}
+    tokens = 0
+    for token_count, parts in pending:
+        tokens += int(token_count)
         for name, value in parts.items():
-            if value is not None:
-                sums[name] = sums.get(name, 0.0) + float(value.detach()) / count
+            sums[name] = sums.get(name, 0.0) + float(value) / count
     return sums, tokens
 
 
