@@ -343,6 +343,11 @@ def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token
         if run.ddp is not None:
             run.ddp.finish_grad_sync()
         bad_ranks = _nonfinite_ranks(run, sums)
+    # The step's host reads before the update: read after it, they made a GPU step's host wait for the
+    # optimizer, and the next step's first kernels queue behind it instead.
+    with guard("in the metrics reductions"):
+        sums, tokens = _mean_over_replicas(run, sums, tokens)
+        loads = _load_metrics(run)
     problem = None
     grad_norm = math.nan
     if bad_ranks:
@@ -358,14 +363,12 @@ def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token
         raise FloatingPointError(f"step {step + 1}/{t.steps} (metrics step {step + 1}), rank {run.ps.rank}: {problem}. "
                                  "Stopping every rank (train.on_nonfinite=stop): lower train.lr, check the data, "
                                  "or set train.on_nonfinite=skip to skip such steps")
-    with guard("in the metrics and balancing reductions"):
+    with guard("in the balancing reductions"):
         if problem is None:
             run.model.update_expert_bias()
         else:  # no update of any kind: the expert bias keeps its value too
             for layer in run.model.moe_layers():
                 layer.discard_pending_counts()
-        sums, tokens = _mean_over_replicas(run, sums, tokens)
-        loads = _load_metrics(run)
     elapsed = time.perf_counter() - start
     metrics = {"step": step, **sums, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / elapsed,
                "tflops": flops_per_token * tokens / elapsed / 1e12, **loads, "skipped": problem is not None}
