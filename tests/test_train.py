@@ -243,3 +243,32 @@ def test_load_metrics_summarise_each_layer_and_count_idle_experts():
                              "mtp1": {"max_over_mean": 1.5, "dropped_fraction": pytest.approx(0.2)}}
     assert m["max_over_mean_load"] == 3.0 and m["dropped_fraction"] == pytest.approx(0.2)
     assert m["idle_experts"] == 2  # layer 0's; layer 1 routed nothing and is left out
+
+
+
+@pytest.mark.parametrize("extra", [[], ["train.dtype=bf16", "parallel.distributed_optimizer=true"]],
+                         ids=["adamw", "distributed-optimizer"])
+def test_a_step_reads_nothing_on_the_host_after_its_update(monkeypatch, extra):
+    """Every host read of a step (losses, the norm, load metrics) comes before its optimizer update: on a GPU
+    a read after it waits for the update, and the next step's kernels queue behind the wait."""
+    run = build_run(apply_overrides(get_recipe("qwen3-moe-tiny"), SMALL + extra), log=lambda s: None)
+    data = TokenBatches(stdlib_corpus(1 << 16), 32, 4, 0)
+    trainer._train_step(run, data, 0, 1.0, trainer._guard(run, "", 0))  # the optimizer's state exists
+    events = []
+    for method in ("__float__", "__int__", "__bool__", "item", "tolist"):
+        real = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method,
+                            lambda t, *a, _real=real, **k: events.append("read") or _real(t, *a, **k))
+    update = run.optimizer.step
+
+    def step(*args, **kwargs):
+        events.append("update")
+        result = update(*args, **kwargs)
+        events.append("updated")
+        return result
+
+    monkeypatch.setattr(run.optimizer, "step", step)
+    m = trainer._train_step(run, data, 1, 1.0, trainer._guard(run, "", 1))
+    assert events.count("update") == 1 and events[:events.index("update")].count("read") >= 3  # losses, norm, loads
+    assert "read" not in events[events.index("updated"):], events
+    assert m["loss"] > 0 and m["grad_norm"] > 0 and m["moe_load"]

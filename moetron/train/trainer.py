@@ -298,10 +298,11 @@ def _optimizer_step(run: TrainingRun) -> float:
         return float(run.optimizer.step())  # moetron's optimizers skip a non-finite norm themselves
     grads = [p.grad for p in run.parameters if p.grad is not None]
     norm = sum_of_squares(grads, _device(run)).sqrt()
-    if math.isfinite(float(norm)):  # the trainer reads the norm anyway: a sync either way
+    value = float(norm)  # read once, before the update: on a GPU a read after it waits for it
+    if math.isfinite(value):
         clip_(grads, norm, run.recipe.train.grad_clip)
         run.optimizer.step()
-    return float(norm)
+    return value
 
 
 def _load_metrics(run: TrainingRun) -> dict:
