@@ -60,6 +60,25 @@ def test_stdlib_corpus_reads_the_files_sorted_rglob_lists():
         assert all(a.dtype == torch.int64 and torch.equal(a, b) for a, b in zip(got, ref))
 
 
+def _twin_models():
+    """Two copies of one small model: one trained by moetron's AdamW, one by torch's."""
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    theirs = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def _one_step(model, opt, x, step, frozen_bias=False):
+    for group in opt.param_groups:
+        group["lr"] = 3e-2 / (step + 1)
+    model(x).square().sum().backward()
+    if frozen_bias:  # a parameter without a gradient this step
+        model[2].bias.grad = None
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def _groups(model):
     return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
             {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
@@ -67,21 +86,14 @@ def _groups(model):
 
 @pytest.mark.parametrize("fused", [True, None])
 def test_adamw_equals_torch_adamw_and_their_states_interchange(fused):
-    torch.manual_seed(0)
-    ours_model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
-    torch_model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
-    torch_model.load_state_dict(ours_model.state_dict())
+    ours_model, torch_model = _twin_models()
     kw = dict(lr=3e-2, betas=(0.9, 0.95), fused=fused)
     ours, theirs = AdamW(_groups(ours_model), **kw), torch.optim.AdamW(_groups(torch_model), **kw)
     g = torch.Generator().manual_seed(1)
     for step in range(4):
         x = torch.randn(5, 6, generator=g)
         for model, opt in ((ours_model, ours), (torch_model, theirs)):
-            for group in opt.param_groups:
-                group["lr"] = 3e-2 / (step + 1)
-            model(x).square().sum().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            _one_step(model, opt, x, step)
     for a, b in zip(ours_model.parameters(), torch_model.parameters()):
         assert torch.equal(a, b)
         assert not torch.equal(a, torch.zeros_like(a))
@@ -94,7 +106,6 @@ def test_adamw_equals_torch_adamw_and_their_states_interchange(fused):
     assert str(fresh.state_dict()) == str(back.state_dict()) == str(state)
 
 
-
 def test_adamw_fused_fast_path_equals_torch_step_by_step(monkeypatch):
     """The fused fast path (torch's two kernel calls per group, without its per-parameter Python) against
     torch.optim.AdamW bit for bit, through the cases it must leave to torch's step: the first step (no
@@ -103,10 +114,7 @@ def test_adamw_fused_fast_path_equals_torch_step_by_step(monkeypatch):
 
     slow, torch_step = [], adamw._STEP
     monkeypatch.setattr(adamw, "_STEP", lambda *args: slow.append(1) or torch_step(*args))
-    torch.manual_seed(0)
-    ours_model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
-    torch_model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
-    torch_model.load_state_dict(ours_model.state_dict())
+    ours_model, torch_model = _twin_models()
     kw = dict(lr=3e-2, betas=(0.9, 0.95), fused=True)
     ours = AdamW(_groups(ours_model) + [{"params": []}], **kw)
     theirs = torch.optim.AdamW(_groups(torch_model) + [{"params": []}], **kw)
@@ -114,13 +122,7 @@ def test_adamw_fused_fast_path_equals_torch_step_by_step(monkeypatch):
     for step in range(7):
         x = torch.randn(5, 6, generator=g)
         for model, opt in ((ours_model, ours), (torch_model, theirs)):
-            for group in opt.param_groups:
-                group["lr"] = 3e-2 / (step + 1)
-            model(x).square().sum().backward()
-            if step == 3:  # a frozen bias this step: torch skips it, so the fast path must not run
-                model[2].bias.grad = None
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            _one_step(model, opt, x, step, frozen_bias=step == 3)  # torch skips it: the fast path must not run
         if step == 4:
             ours.load_state_dict(ours.state_dict())  # new state tensors: read afresh, not cached
         for a, b in zip(ours_model.parameters(), torch_model.parameters()):
