@@ -228,7 +228,8 @@ class DistributedOptimizer:
         exp_avgs = [p.shard.exp_avg[p.flat] for p, _ in pieces]
         exp_avg_sqs = [p.shard.exp_avg_sq[p.flat] for p, _ in pieces]
         if fused:  # seven foreach passes over the fp32 shard were a third of a step on an H100
-            steps = [torch.tensor(float(step), device=params[0].device)] * len(params)
+            # a fill on the device: torch.tensor(..., device=cuda) copies from the host and waits for the stream
+            steps = [torch.full((), float(step), device=params[0].device)] * len(params)
             torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
                                 weight_decay=wd, eps=eps, amsgrad=False, maximize=False, grad_scale=unscale)
             return
