@@ -340,6 +340,28 @@ def test_global_aux_loss_accumulates_counts_until_reset():
         assert on.aux_losses["global_aux_loss"].item() == pytest.approx(want.item(), rel=1e-5), i
 
 
+def test_global_aux_loss_keeps_its_token_count_on_the_device(monkeypatch):
+    """The running token count stays a tensor (on a GPU, reading it waited for the forward so far in
+    every MoE layer), and the loss has the bits a host count gives."""
+    _, on, gen = _layers(7, aux_loss_type="global_aux_loss", aux_loss_coeff=0.3)
+    x = torch.randn(2, 9, H, generator=gen)
+    on(x)  # a first micro-batch: the counts run on
+    reads = []
+    for method in ("__float__", "__int__", "__bool__", "item", "tolist"):
+        real = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda t, *a, _real=real, **k: reads.append(1) or _real(t, *a, **k))
+    logits = on.router.weight.detach() @ x.reshape(-1, H).T
+    counts, tokens = on.router.global_counts(torch.ones(E), 18)
+    assert not reads and isinstance(tokens, torch.Tensor) and tokens.dim() == 0
+    monkeypatch.undo()
+    probs = torch.softmax(logits.T, dim=-1)
+    assert float(tokens) == 36.0
+    assert torch.equal(balancing.switch_aux_loss(probs, counts, K, tokens),
+                       balancing.switch_aux_loss(probs, counts, K, float(tokens)))
+    assert torch.equal(balancing.switch_aux_from_sums(probs.sum(0), counts, K, 18, tokens),
+                       balancing.switch_aux_from_sums(probs.sum(0), counts, K, 18, float(tokens)))
+
+
 # ---- aux-loss-free balancing ------------------------------------------------------------------------
 
 

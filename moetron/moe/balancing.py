@@ -55,12 +55,12 @@ def balance_probs(logits_TE: torch.Tensor, score_func: str) -> torch.Tensor:
     return scores / (scores.sum(-1, keepdim=True) + 1e-20)
 
 
-def switch_aux_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int, num_tokens: int | None = None,
-                    ) -> torch.Tensor:
+def switch_aux_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int,
+                    num_tokens: int | torch.Tensor | None = None) -> torch.Tensor:
     """Switch-Transformer loss `E/k * sum_e f_e * P_e` (f_e: tokens routed to e / T; P_e: mean prob).
 
     `counts_E` may come from more tokens than `probs_TE` (the global batch); then pass
-    their number as `num_tokens`.
+    their number as `num_tokens` (an int or a 0-dim fp32 tensor: the same bits for counts below 2^24).
     """
     T, E = probs_TE.shape
     tokens = T if num_tokens is None else num_tokens
@@ -91,7 +91,7 @@ def seq_aux_loss(probs_TE: torch.Tensor, topk_idx_TK: torch.Tensor, seq_len: int
 
 
 def switch_aux_from_sums(prob_sums_E: torch.Tensor, counts_E: torch.Tensor, top_k: int, num_tokens: int,
-                         count_tokens: int | float | None = None) -> torch.Tensor:
+                         count_tokens: int | float | torch.Tensor | None = None) -> torch.Tensor:
     """The Switch loss from sums over tokens: `E/k * sum_e (counts_e / count_tokens) * (prob_sums_e / num_tokens)`.
 
     `num_tokens`: the tokens of the micro-batch whose probabilities are summed (on every rank);

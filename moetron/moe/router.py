@@ -270,9 +270,11 @@ class TopKRouter(nn.Module):
         for name, value in zip(names, total):
             values[name] = value / cp.size if name == "z_loss" else value
 
-    def global_counts(self, counts_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, int]:
-        """Counts of the global batch so far (this micro-batch included), summed over `balance_group`.
-        Under CP, `counts_E` and `num_tokens` are the micro-batch's, already summed over `cp_group`."""
+    def global_counts(self, counts_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Counts of the global batch so far (this micro-batch included), summed over `balance_group`,
+        and their number of tokens: a 0-dim tensor beside them, never read on the host (on a GPU that
+        read waited for the forward so far, in every MoE layer). Under CP, `counts_E` and `num_tokens`
+        are the micro-batch's, already summed over `cp_group`."""
         counts = counts_E.float()
         tokens = torch.tensor(float(num_tokens), device=counts.device)
         if self.balance_group is not None:
@@ -283,7 +285,7 @@ class TopKRouter(nn.Module):
         if prev is not None:
             counts, tokens = counts + prev[0], tokens + prev[1]
         self._global_running = (counts, tokens)
-        return counts, float(tokens)
+        return counts, tokens
 
     def reset_global_counts(self) -> None:
         """Start a new global batch for `global_aux_loss`."""
