@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import signal
 import time
 
 import pytest
@@ -120,6 +121,23 @@ def _two_rank_failures(rank, world, flag_file):
             except FloatingPointError as exc:
                 out[mode] = str(exc)
 
+    # A stop signal that reaches rank 1 only: during step 1's forward (before the step's loss check,
+    # where the ranks agree on it) both stop after step 1; during its update, after step 2.
+    for where in ("forward", "update"):
+        with MonkeyPatch.context() as mp:
+            if rank == 1:
+                target, name = (MoETransformer, "forward") if where == "forward" else (trainer, "_optimizer_step")
+                original, count = getattr(target, name), [0]
+
+                def hook(*args, _original=original, _count=count, **kwargs):
+                    _count[0] += 1
+                    if _count[0] == 2:
+                        os.kill(os.getpid(), signal.SIGINT)
+                    return _original(*args, **kwargs)
+
+                mp.setattr(target, name, hook)
+            out[f"signal in the {where}"] = [h["step"] for h in train(ep2, log=lambda s: None)]
+
     # Rank 1 blocks before step 1's forward, until rank 0 has given up (or 120 s pass); rank 0 logs
     # every second that it still waits.
     hang = apply_overrides(ep2, ["train.collective_timeout_s=3", "train.collective_wait_log_s=1"])
@@ -158,7 +176,7 @@ class _Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_two_ranks_agree_on_nonfinite_and_a_hung_rank_times_out(tmp_path):
+def test_two_ranks_agree_on_nonfinite_and_on_a_stop_signal_and_a_hung_rank_times_out(tmp_path):
     results = run_distributed(_two_rank_failures, 2, str(tmp_path / "rank0-gave-up"), init=False, timeout=240)
     for rank, out in enumerate(results):
         # stop: both ranks raise, both naming rank 1 (where the loss was NaN) and the step.
@@ -168,6 +186,7 @@ def test_two_ranks_agree_on_nonfinite_and_a_hung_rank_times_out(tmp_path):
         # skip: both ranks skip step 1 and go on with finite losses.
         assert [s[:2] for s in out["skip"]] == [(False, 0), (True, 1), (False, 1), (False, 1)]
         assert all(math.isfinite(s[2]) for i, s in enumerate(out["skip"]) if i != 1)
+        assert out["signal in the forward"] == [0, 1] and out["signal in the update"] == [0, 1, 2], out
     finite = [[s[2] for s in out["skip"] if not s[0]] for out in results]
     assert finite[0] == finite[1]  # the data-parallel mean: the same on both ranks
     name, message, elapsed = results[0]["hang"]

@@ -2,9 +2,10 @@
 boundary, after saving a checkpoint when `train.save_dir` is set, with the command that resumes
 it; `train.keep_last` prunes older checkpoints.
 
-A signal only sets a flag; the trainer checks it after each step, and under torch.distributed
-the ranks agree on it with one small all-reduce, so every rank stops after the same step (a
-signal that reaches only some ranks, as torchrun forwards it, stops them all). A second signal
+A signal only sets a flag; the trainer checks it after each step. Under torch.distributed the
+ranks agree on it in the all-reduce that checks the step's losses, before the update, so every rank
+stops after the same step (a signal that reaches only some ranks, as torchrun forwards it, stops them
+all); a signal that comes after that all-reduce stops the run after the next step. A second signal
 while the first is pending raises KeyboardInterrupt at once. The run then ends normally: the
 command exits 0 after saving (the state is safe; the resume command is printed).
 """
@@ -19,8 +20,6 @@ import sys
 import threading
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
 
 from moetron.checkpoint.training import latest_checkpoint
 
@@ -51,15 +50,6 @@ class StopSignal:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-    def agreed(self, group=None, device: torch.device | str = "cpu") -> bool:
-        """Whether any rank was asked to stop (a world all-reduce when distributed)."""
-        flag = self.requested is not None
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return flag
-        t = torch.tensor([float(flag)], device=device)
-        dist.all_reduce(t, group=group)
-        return bool(t.item())
 
 
 def prune_checkpoints(save_dir: str | Path, keep_last: int) -> list[Path]:

@@ -120,7 +120,8 @@ def _train(recipe: Recipe, run: TrainingRun, hint: str, say, memory, source, log
         run.model.train()
         for step in range(start, t.steps):
             guard = _guard(run, hint, step)
-            metrics = _train_step(run, data, step, flops_per_token, guard)
+            metrics = _train_step(run, data, step, flops_per_token, guard, stop)
+            stop_agreed = metrics.pop("stop")
             if metrics["skipped"]:
                 skipped, in_a_row = skipped + 1, in_a_row + 1
                 logger.write(f"warning: step {step + 1}/{t.steps} skipped (train.on_nonfinite=skip): "
@@ -143,8 +144,9 @@ def _train(recipe: Recipe, run: TrainingRun, hint: str, say, memory, source, log
                 logger.log_eval(step, metrics["val_loss"])
             if sampler is not None and (done % t.sample_every == 0 or done == t.steps):
                 logger.write(f"sample {done}/{t.steps}: {sampler(run)!r}")
-            with guard("while agreeing on a stop signal"):
-                stopping = done < t.steps and stop.agreed(run.ps.world.handle, _device(run))
+            # One process: a signal during this step stops after it. Several: the flag was agreed on in the
+            # step's loss check, before the update; a signal after that stops after the next step.
+            stopping = done < t.steps and (stop_agreed or (run.ps.world_size == 1 and stop.requested is not None))
             if t.save_dir and ((t.save_every and done % t.save_every == 0) or done == t.steps or stopping):
                 if run.ddp is not None:  # parallel.overlap_param_gather: the weights are read here
                     run.ddp.finish_param_sync()
@@ -280,16 +282,22 @@ def _device(run: TrainingRun) -> torch.device:
     return run.parameters[0].device
 
 
-def _nonfinite_ranks(run: TrainingRun, sums: dict[str, float]) -> list[int]:
+def _nonfinite_ranks(run: TrainingRun, sums: dict[str, float], stop: StopSignal | None = None,
+                     ) -> tuple[list[int], bool]:
     """Ranks whose step losses include a NaN/inf, the same list on every rank (a world all-reduce),
-    so that every rank stops or skips together and none is left waiting in a collective."""
+    so that every rank stops or skips together and none is left waiting in a collective; and whether
+    any rank was asked to stop (`stop`: its flag rides in the same all-reduce, which comes before the
+    update: an all-reduce of its own after it made a GPU step's host wait for the update)."""
     local = not all(math.isfinite(v) for v in sums.values())
+    requested = stop is not None and stop.requested is not None
     if run.ps.world_size == 1:
-        return [0] if local else []
-    flags = torch.zeros(run.ps.world_size, dtype=torch.float32, device=_device(run))
+        return ([0] if local else []), requested
+    flags = torch.zeros(run.ps.world_size + 1, dtype=torch.float32, device=_device(run))
     flags[run.ps.rank] = float(local)
+    flags[-1] = float(requested)
     dist.all_reduce(flags, group=run.ps.world.handle)
-    return [r for r, flag in enumerate(flags.tolist()) if flag]
+    values = flags.tolist()
+    return [r for r, flag in enumerate(values[:-1]) if flag], bool(values[-1])
 
 
 def _optimizer_step(run: TrainingRun) -> float:
@@ -325,8 +333,10 @@ def _load_metrics(run: TrainingRun) -> dict:
             "idle_experts": idle, "moe_load": per_layer}
 
 
-def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token: float, guard) -> dict:
-    """One optimizer step; `guard(where)` turns a failed collective into an error naming `where`."""
+def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token: float, guard,
+                stop: StopSignal | None = None) -> dict:
+    """One optimizer step; `guard(where)` turns a failed collective into an error naming `where`.
+    `metrics["stop"]`: whether `stop` was requested on any rank by the step's last all-reduce."""
     t = run.recipe.train
     start = time.perf_counter()
     lr = t.lr_at(step)
@@ -343,7 +353,7 @@ def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token
     with guard("in the gradient reduction and loss check"):
         if run.ddp is not None:
             run.ddp.finish_grad_sync()
-        bad_ranks = _nonfinite_ranks(run, sums)
+        bad_ranks, stop_requested = _nonfinite_ranks(run, sums, stop)
     # The step's host reads before the update: read after it, they made a GPU step's host wait for the
     # optimizer, and the next step's first kernels queue behind it instead.
     with guard("in the metrics reductions"):
@@ -372,7 +382,8 @@ def _train_step(run: TrainingRun, data: TokenBatches, step: int, flops_per_token
                 layer.discard_pending_counts()
     elapsed = time.perf_counter() - start
     metrics = {"step": step, **sums, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens / elapsed,
-               "tflops": flops_per_token * tokens / elapsed / 1e12, **loads, "skipped": problem is not None}
+               "tflops": flops_per_token * tokens / elapsed / 1e12, **loads, "skipped": problem is not None,
+               "stop": stop_requested}
     if problem is not None:
         metrics["nonfinite"] = problem
     if t.peak_tflops:
