@@ -70,6 +70,29 @@ def test_without_balancing_the_gradient_is_the_weights_alone(aux_scale):
     torch.testing.assert_close(out[3], ref[3], rtol=1e-5, atol=1e-6 * ref[3].abs().max().item())
 
 
+@pytest.mark.parametrize("E", [1, 3, 8, 15])
+def test_below_16_experts_the_kernel_computes_the_softmax_within_a_few_ulp(E):
+    """ATen's CPU softmax leaves its vectorised path below 16 classes (~6x slower at [1024, 8]): the kernel
+    computes those rows itself; from 16 on the probabilities are ATen's, bit for bit."""
+    from moetron.kernels import fused_router
+
+    g = torch.Generator().manual_seed(E)
+    x = torch.randn(500, E, generator=g) * 4
+    probs = fused_router.ops().topk_softmax_forward(x, 1, True, 1.0)[0]
+    torch.testing.assert_close(probs, torch.softmax(x, -1), rtol=4 * 2**-23, atol=0)  # measured <= 2 * 2**-23
+    exact = torch.softmax(x.double(), -1)  # and no further from float64 than ATen's own fp32 softmax
+    assert (probs.double() - exact).abs().max() <= 1.5 * (torch.softmax(x, -1).double() - exact).abs().max() + 1e-9
+    edge = torch.tensor([[0.0, float("nan"), 1.0], [float("inf"), 0.0, 0.0], [float("-inf"), 0.0, 1.0],
+                         [-100.0, -200.0, 0.0], [5.0, 5.0, 5.0]])[:, :E] if E >= 3 else None
+    if edge is not None:
+        got, ref = fused_router.ops().topk_softmax_forward(edge, 1, True, 1.0)[0], torch.softmax(edge, -1)
+        assert got[:2].isnan().all() and ref[:2].isnan().all()  # a NaN or +inf logit: the row is NaN
+        assert got[2, 0] == 0 and got[3, 1] == 0 and got[3, 0] > 0  # exp(-inf) = 0; tiny ones not rounded up
+        torch.testing.assert_close(got[2:], ref[2:], rtol=3e-7, atol=0)
+    x16 = torch.randn(64, 16, generator=g)
+    assert torch.equal(fused_router.ops().topk_softmax_forward(x16, 2, True, 1.0)[0], torch.softmax(x16, -1))
+
+
 def test_ties_go_to_the_lower_expert():
     from moetron.kernels import fused_router
 
