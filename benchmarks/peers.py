@@ -1,7 +1,8 @@
 """torchtitan's MoE and Megatron-Core's MoELayer as rows of benchmarks/moe_layer.py, on moetron's weights.
 
-Neither is a moetron dependency (`pip install torchtitan megatron-core`); a peer that does not import
-or build here is a table row saying why, not an error. Each runs as its own code, with the small
+Neither is a moetron dependency (`pip install torchtitan megatron-core`; with `--no-deps`, torchtitan 0.3.0
+also needs `spmd_types` and `tyro`); a peer that does not import or build here is a table row saying why,
+not an error. Each runs as its own code, with the small
 shims below, which the table names:
 
 - torchtitan (models/common/moe.py, `MoE` with `LocalTokenDispatcher`): its `GroupedExperts.forward`
