@@ -6,7 +6,7 @@
     python benchmarks/step_ab.py --compare permute          # the MoE permute in torch ops, or the C++ kernel
     python benchmarks/step_ab.py --compare router           # the softmax top-k router in torch ops, or in C++
     python benchmarks/step_ab.py --compare norm_rope        # Qwen3's q/k norm and RoPE as two C++ ops, or one
-    python benchmarks/step_ab.py --compare stacked_projections  # q/k/v (gate/up) as one GEMM each way, or three
+    python benchmarks/step_ab.py --compare stacked_projections  # q/k/v (gate/up) as one autograd node, or three
     python benchmarks/step_ab.py --compare attention_kernel  # torch's flash attention, or moetron's C++ kernel
     python benchmarks/step_ab.py --compare cross_entropy    # torch's cross_entropy, or moetron's C++ pass
     python benchmarks/step_ab.py --compare grad_norm        # the gradient norm through torch's kernel, or BLAS dots
@@ -74,7 +74,7 @@ def _settings(name: str):
     if name == "attention_kernel":
         return _switched(attention_cpu, "applies", never, ("torch's flash kernel", "moetron's C++ attention"))
     if name == "stacked_projections":
-        return _switched(linear, "_stackable", lambda *args: None, ("q, k, v as three GEMMs", "q, k, v as one GEMM"))
+        return _switched(linear, "_stackable", lambda *args: None, ("q, k, v as three nodes", "q, k, v as one node"))
     if name == "cross_entropy":
         return _switched(cross_entropy_cpu, "applies", never, ("torch's cross_entropy", "moetron's C++ cross-entropy"))
     if name == "grad_norm":

@@ -99,8 +99,8 @@ def defer_weight_grad(weight: torch.Tensor | None, compute: Callable[[], torch.T
 
 
 def defer_weight_grads(weights, compute: Callable[[], torch.Tensor]) -> bool:
-    """`defer_weight_grad` for several parameters whose gradients `compute()` returns stacked along
-    dim 0 (one GEMM for the projections of one input, ops/linear.py): all are queued, or none."""
+    """`defer_weight_grad` for several parameters whose gradients `compute()` returns as a list, or
+    stacked along dim 0 (the projections of one input, ops/linear.py): all are queued, or none."""
     state = _pass
     if not weight_grads_active() or any(w is None or not w.is_leaf or _has_hooks(w) for w in weights):
         return False
@@ -114,7 +114,8 @@ def defer_weight_grads(weights, compute: Callable[[], torch.Tensor]) -> bool:
 
     def run():
         grad = compute()
-        for key, part in zip(keys, grad.split(sizes) if len(keys) > 1 else (grad,)):
+        parts = grad if isinstance(grad, (list, tuple)) else grad.split(sizes) if len(keys) > 1 else (grad,)
+        for key, part in zip(keys, parts):
             state.add(key, part)
 
     task = _Task(run)

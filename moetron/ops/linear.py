@@ -1,5 +1,5 @@
 """`linear(x, weight)`: `F.linear` whose weight gradient may run beside the backward pass;
-`project_many`: several projections of one input as one GEMM each way.
+`project_many`: several projections of one input as one autograd node.
 
 Inside `weight_grads_beside` (the trainer of a small one-process model, kernels/threads.py) the weight
 gradient's GEMM goes to the helper thread while the backward pass goes on with the input gradient;
@@ -41,26 +41,29 @@ class _Linear(torch.autograd.Function):
 
 
 class _ConcatLinear(torch.autograd.Function):
-    """F.linear(x, w_i) for each w_i, computed as one GEMM on the weights stacked by rows: the input
-    gradient is one GEMM too, and the weight gradients one GEMM whose row blocks are theirs."""
+    """F.linear(x, w_i) for each w_i as one autograd node: one GEMM per weight each way, with no copies;
+    the input gradient adds the products in place (addmm), the weight gradients are F.linear's own."""
 
     @staticmethod
     def forward(ctx, x, *weights):
-        ctx.save_for_backward(x, *weights)  # the weights are parameters: only x is an activation
-        y = F.linear(x, torch.cat(weights))
-        return tuple(part.contiguous() for part in y.split([w.shape[0] for w in weights], dim=-1))
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x, w) for w in weights)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
-        grad = torch.cat(grads, dim=-1)
-        grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        # stacked again rather than saved: a saved copy would be an activation, the cat costs little
-        grad_x = grad_2d.mm(torch.cat(weights)).view(x.shape) if ctx.needs_input_grad[0] else None
-        grad_ws = [None] * len(weights)  # `_stackable` stacks weights that all need a gradient, or none
-        if ctx.needs_input_grad[1] and not defer_weight_grads(weights, lambda: grad_2d.t().mm(x_2d)):
-            grad_ws = list(grad_2d.t().mm(x_2d).split([w.shape[0] for w in weights]))
+        x_2d = x.reshape(-1, x.shape[-1])
+        grads_2d = [g.reshape(-1, g.shape[-1]) for g in grads]
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grads_2d[0].mm(weights[0])
+            for g, w in zip(grads_2d[1:], weights[1:]):
+                grad_x.addmm_(g, w)
+            grad_x = grad_x.view(x.shape)
+        grad_ws = [None] * len(weights)  # `_stackable` takes weights that all need a gradient, or none
+        if ctx.needs_input_grad[1] and not defer_weight_grads(weights, lambda: [g.t().mm(x_2d) for g in grads_2d]):
+            grad_ws = [g.t().mm(x_2d) for g in grads_2d]
         return (grad_x, *grad_ws)
 
 
@@ -87,9 +90,11 @@ def _plain(layer: nn.Module) -> bool:
 
 def project_many(layers: list[nn.Module], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`project(layer, x)` for each layer. On a CPU, plain bias-free layers with plain weights of one
-    dtype run as one GEMM each way (q/k/v: fewer, larger GEMMs and a third of the ops); otherwise one
-    `project` each. The stacked GEMM sums each output over the same inputs, in an order MKL may block
-    differently from the separate ones: ulp-level differences, no others (tested)."""
+    dtype run as one autograd node (q/k/v: a third of the nodes; each output and weight gradient is
+    F.linear's own GEMM, the input gradient adds the products in place: ulp-level differences from
+    autograd's sum, no others, tested); otherwise one `project` each. They ran as one GEMM on the
+    stacked weights until 2026-11-28: its copies (the weights' cat each way, the outputs' split, the
+    gradients' cat: ~7 ms a mid-size step) bought nothing on an AVX-512 CPU (docs/performance.md)."""
     weights = _stackable(layers, x)
     if weights is not None:
         return _ConcatLinear.apply(x, *weights)
