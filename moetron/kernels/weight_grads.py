@@ -98,9 +98,9 @@ def defer_weight_grad(weight: torch.Tensor | None, compute: Callable[[], torch.T
     return defer_weight_grads((weight,), compute)
 
 
-def defer_weight_grads(weights, compute: Callable[[], torch.Tensor]) -> bool:
-    """`defer_weight_grad` for several parameters whose gradients `compute()` returns as a list, or
-    stacked along dim 0 (the projections of one input, ops/linear.py): all are queued, or none."""
+def defer_weight_grads(weights, compute: Callable[[], torch.Tensor | list[torch.Tensor]]) -> bool:
+    """`defer_weight_grad` for several parameters whose gradients `compute()` returns as a list, in
+    their order (the projections of one input, ops/linear.py): all are queued, or none."""
     state = _pass
     if not weight_grads_active() or any(w is None or not w.is_leaf or _has_hooks(w) for w in weights):
         return False
@@ -110,12 +110,9 @@ def defer_weight_grads(weights, compute: Callable[[], torch.Tensor]) -> bool:
     for key, weight in zip(keys, weights):
         if key not in state.weights:
             state.weights[key], state.grads_before[key] = weight, _grad_state(weight)
-    sizes = [w.shape[0] for w in weights]
-
     def run():
         grad = compute()
-        parts = grad if isinstance(grad, (list, tuple)) else grad.split(sizes) if len(keys) > 1 else (grad,)
-        for key, part in zip(keys, parts):
+        for key, part in zip(keys, grad if isinstance(grad, (list, tuple)) else (grad,)):
             state.add(key, part)
 
     task = _Task(run)

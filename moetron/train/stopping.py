@@ -20,7 +20,6 @@ import sys
 import threading
 from pathlib import Path
 
-
 from moetron.checkpoint.training import latest_checkpoint
 
 __all__ = ["StopSignal", "prune_checkpoints", "resume_command"]
