@@ -1,7 +1,8 @@
-"""One optimizer step of the same Qwen3-MoE model: moetron's trainer vs transformers + torch AdamW.
+"""One optimizer step of the same Qwen3-MoE (or DeepSeek-V3) model: moetron's trainer vs transformers + torch AdamW.
 
     python benchmarks/train_step.py                                     # tiny and mid, 2 threads
     python benchmarks/train_step.py --sizes tiny --repeats 9 --threads 1
+    python benchmarks/train_step.py --model deepseek-v3                 # MLA, group routing, shared experts
     python benchmarks/train_step.py --device cuda --dtype bf16 --sizes tiny,mid,proxy --peak-tflops 989
 
 Both sides start from the same weights (moetron's model written with `moetron.bridge.hf.to_hf` and
@@ -18,6 +19,14 @@ same batch. Before timing, the script checks that the two compute the same LM lo
   (`adamw_torch_fused` with torch >= 2.8, transformers 5). `--hf-adamw default` gives it torch's own
   choice instead (on a CPU a Python loop over the tensors, ~7x slower at the mid size), the comparison
   this script made before 2026-11-27's ninth session.
+
+`--model deepseek-v3` compares moetron's DeepSeek-V3 model with transformers' `DeepseekV3ForCausalLM`
+(grouped_mm experts, sdpa attention) from the `deepseek-v3-tiny` recipe, without the two parts transformers
+does not train: the multi-token-prediction layer (`model.num_mtp_layers=0`) and the sequence-wise aux loss
+(`model.aux_loss_type=none`); moetron still updates its expert bias after every step (aux-loss-free
+balancing), transformers keeps its `e_score_correction_bias` as loaded. Its `mid` size matches the
+Qwen3-MoE one (H512, 4 layers, 32 experts top-4, 2x512 tokens) with MLA (q rank 256, kv rank 128, q/k
+heads 64 + 32, v heads 64), 4 expert groups (top 2), one shared expert and a dense first layer.
 
 Sizes: `tiny` is the default recipe (H64, 4 layers, 8 experts top-2, 8x128 tokens); `mid` is H512,
 4 layers, 32 experts top-4 (moe ffn 256), 2x512 tokens; `proxy` is the GPU proxy of issue 16 (8 layers,
@@ -61,9 +70,25 @@ SIZES = {
 }
 
 
+DEEPSEEK_SIZES = {
+    "tiny": [],
+    "mid": ["model.hidden_size=512", "model.num_layers=4", "model.num_attention_heads=8", "model.num_kv_heads=8",
+            "model.intermediate_size=1024", "model.moe_intermediate_size=256", "model.num_experts=32",
+            "model.top_k=4", "model.q_lora_rank=256", "model.kv_lora_rank=128", "model.qk_nope_head_dim=64",
+            "model.qk_rope_head_dim=32", "model.v_head_dim=64", "model.head_dim=96", "train.seq_len=512",
+            "train.micro_batch_size=2"],
+}
+# what transformers' DeepseekV3ForCausalLM does not train (module docstring)
+MODELS = {"qwen3-moe": ("qwen3-moe-tiny", SIZES, []),
+          "deepseek-v3": ("deepseek-v3-tiny", DEEPSEEK_SIZES, ["model.num_mtp_layers=0", "model.aux_loss_type=none"])}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", default="tiny,mid", help=f"comma-separated: {', '.join(SIZES)}")
+    p.add_argument("--model", default="qwen3-moe", choices=tuple(MODELS),
+                   help="qwen3-moe (Qwen3MoeForCausalLM) or deepseek-v3 (DeepseekV3ForCausalLM)")
+    p.add_argument("--sizes", default="tiny,mid", help=f"comma-separated: {', '.join(SIZES)} (deepseek-v3: "
+                                                       f"{', '.join(DEEPSEEK_SIZES)})")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                    help="bf16: moetron's train.dtype=bf16 against transformers under torch.autocast (GPU runs)")
@@ -89,9 +114,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="moetron with its fused C++/Triton kernels: train.permute_impl=auto and the experts' "
                         "activation_impl=auto (built on first use)")
     args = p.parse_args(argv)
-    unknown = [s for s in args.sizes.split(",") if s not in SIZES]
+    sizes = MODELS[args.model][1]
+    unknown = [s for s in args.sizes.split(",") if s not in sizes]
     if unknown:
-        p.error(f"--sizes: unknown {unknown}; choose from {', '.join(SIZES)}")
+        p.error(f"--sizes: unknown {unknown} for --model {args.model}; choose from {', '.join(sizes)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device here")
     if args.device == "cuda" and (args.wide_threads is not None or args.hf_threads is not None):
@@ -114,23 +140,30 @@ class FixedBatches:
         return self.inputs, self.labels
 
 
-def build_pair(overrides: list[str], folder: Path, device: torch.device, hf_adamw: str = "fused"):
-    from transformers import Qwen3MoeForCausalLM
+def build_pair(overrides: list[str], folder: Path, device: torch.device, hf_adamw: str = "fused",
+               model: str = "qwen3-moe"):
+    from transformers import DeepseekV3ForCausalLM, Qwen3MoeForCausalLM
 
     from moetron.bridge.hf import to_hf
     from moetron.data.builtin import TokenBatches, stdlib_corpus
     from moetron.recipes import apply_overrides, get_recipe
     from moetron.train.setup import build_run
 
-    recipe = apply_overrides(get_recipe("qwen3-moe-tiny"), overrides)
+    recipe_name, _, fixed = MODELS[model]
+    recipe = apply_overrides(get_recipe(recipe_name), fixed + overrides)
     t, m = recipe.train, recipe.model
     run = build_run(recipe, log=lambda s: None)
     inputs, labels = (x.contiguous() for x in TokenBatches(stdlib_corpus(), t.seq_len, t.micro_batch_size,
                                                           t.seed).batch(0))
     to_hf(run.model, folder)
-    hf = Qwen3MoeForCausalLM.from_pretrained(folder, experts_implementation="grouped_mm", attn_implementation="sdpa",
-                                             output_router_logits=True, router_aux_loss_coef=m.aux_loss_coeff,
-                                             dtype=torch.float32).to(device).train()
+    if model == "qwen3-moe":
+        hf = Qwen3MoeForCausalLM.from_pretrained(folder, experts_implementation="grouped_mm",
+                                                 attn_implementation="sdpa", output_router_logits=True,
+                                                 router_aux_loss_coef=m.aux_loss_coeff, dtype=torch.float32)
+    else:
+        hf = DeepseekV3ForCausalLM.from_pretrained(folder, experts_implementation="grouped_mm",
+                                                   attn_implementation="sdpa", dtype=torch.float32)
+    hf = hf.to(device).train()
     assert hf.config._experts_implementation == "grouped_mm", hf.config._experts_implementation
     opt = torch.optim.AdamW(hf.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay,
                             fused=True if hf_adamw == "fused" else None)
@@ -147,7 +180,8 @@ def check_same_loss(run, hf, inputs, labels, dtype: torch.dtype) -> float:
         ours = float(run.model(inputs.to(device), labels=labels.to(device)).loss)
         with _autocast(device, dtype):
             out = hf(input_ids=inputs.to(device), labels=labels.to(device), shift_labels=labels.to(device))
-        theirs = float(out.loss - hf.config.router_aux_loss_coef * out.aux_loss)
+        aux = getattr(out, "aux_loss", None)  # Qwen3-MoE's; DeepSeek-V3 in transformers has none
+        theirs = float(out.loss if aux is None else out.loss - hf.config.router_aux_loss_coef * aux)
     err = abs(ours - theirs) / abs(theirs)
     bound = 1e-5 if dtype == torch.float32 else 2e-2
     if not err < bound:
@@ -225,8 +259,9 @@ def main(argv=None) -> None:
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             fused = ["train.permute_impl=auto"] if args.fused else []
-            recipe, run, hf, opt, inputs, labels = build_pair(SIZES[size] + on_device + fused + args.set,
-                                                              Path(tmp) / "hf", device, args.hf_adamw)
+            recipe, run, hf, opt, inputs, labels = build_pair(MODELS[args.model][1][size] + on_device + fused
+                                                              + args.set, Path(tmp) / "hf", device, args.hf_adamw,
+                                                              args.model)
         for layer in run.model.moe_layers() if args.fused else ():
             layer.experts.activation_impl = "auto"
         err = check_same_loss(run, hf, inputs, labels, dtype)
@@ -246,7 +281,8 @@ def main(argv=None) -> None:
             if args.peak_tflops:
                 cells += [f"{flops / t.median / 1e12 / args.peak_tflops:.1%}"]
             return cells
-        label = (f"{size} (H{m.hidden_size} L{m.num_layers} E{m.num_experts} k{m.top_k}, "
+        label = (f"{'' if args.model == 'qwen3-moe' else 'deepseek-v3 '}{size} (H{m.hidden_size} L{m.num_layers} "
+                 f"E{m.num_experts} k{m.top_k}, "
                  f"{inputs.shape[0]}x{inputs.shape[1]} tokens)")
         rows.append([label, *speed(ours), *speed(theirs), f"{theirs.median / ours.median:.2f}x",
                      *([] if cuda else [f"{theirs.cpu_median / ours.cpu_median:.2f}x"]), f"{err:.1e}"])
@@ -261,8 +297,10 @@ def main(argv=None) -> None:
           + f"; load after {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
           + (f"; MFU = model FLOPs (moetron.model.size.training_flops_per_token) / {args.peak_tflops:g} TFLOP/s"
              if args.peak_tflops else "") + ")")
-    print("same comparison on both sides: one model config and weights, sdpa attention, router aux loss on "
-          "(the recipe's coefficient), transformers' experts through grouped_mm, AdamW with the same lr / betas / "
+    aux = ("router aux loss on (the recipe's coefficient)" if args.model == "qwen3-moe" else
+           "no aux loss and no MTP layer (transformers trains neither)")
+    print(f"same comparison on both sides: one model config and weights, sdpa attention, {aux}, "
+          "transformers' experts through grouped_mm, AdamW with the same lr / betas / "
           f"weight decay ({'fused' if args.hf_adamw == 'fused' else 'torch' + chr(39) + 's default implementation'} "
           "for transformers), "
           "clipping at the recipe's grad_clip")

@@ -1,6 +1,7 @@
 """moetron's C++ causal attention (moetron/kernels/attention_cpu.py, csrc/causal_attention_cpu.cpp):
 output, log-sum-exp and the three gradients against a float64 reference (GQA, sequences that are not
-a multiple of the kernel's blocks, head dims up to 128, the model's strided layouts); helper tasks and
+a multiple of the kernel's blocks, head dims up to 128, v's head dim apart from q's (MLA), the model's
+strided layouts); helper tasks and
 intra-op threads give the bits of one thread; `core_attention` takes it only under the C++ fusion and where it applies; the
 C++ checks name what is wrong."""
 
@@ -14,11 +15,13 @@ from moetron.ops.attention_core import core_attention
 pytestmark = pytest.mark.usefixtures("one_thread", "cpp_kernels")  # conftest.py
 
 
-def _qkv(B, H, KV, S, D, seed=0):
+def _qkv(B, H, KV, S, D, seed=0, Dv=None):
     g = torch.Generator().manual_seed(seed)
+    Dv = D if Dv is None else Dv
     # [B, S, heads, D] memory seen as [B, heads, S, D], as the model's projections hand them over
-    q, k, v = (torch.randn(B, S, h, D, generator=g).transpose(1, 2).requires_grad_() for h in (H, KV, KV))
-    return q, k, v, torch.randn(B, S, H, D, generator=g).transpose(1, 2)
+    q, k, v = (torch.randn(B, S, h, d, generator=g).transpose(1, 2).requires_grad_()
+               for h, d in ((H, D), (KV, D), (KV, Dv)))
+    return q, k, v, torch.randn(B, S, H, Dv, generator=g).transpose(1, 2)
 
 
 def _reference(q, k, v, scale):
@@ -39,9 +42,11 @@ def _close(got, want, what, rel=2e-6):
 
 
 @pytest.mark.parametrize("shape", [(8, 4, 2, 128, 16), (2, 4, 4, 37, 32), (3, 6, 2, 64, 64), (1, 2, 1, 5, 16),
-                                   (2, 8, 1, 1, 32), (1, 4, 2, 61, 48), (1, 2, 1, 30, 128)])
+                                   (2, 8, 1, 1, 32), (1, 4, 2, 61, 48), (1, 2, 1, 30, 128), (2, 2, 1, 19, 8),
+                                   # MLA: q/k 24 (nope 16 + rope 8), v 16, as the DeepSeek-V3 proxy; and the other way
+                                   (8, 4, 4, 128, 24, 16), (2, 4, 2, 37, 16, 40), (1, 2, 2, 33, 120, 128)])
 def test_matches_float64_attention(shape):
-    q, k, v, dout = _qkv(*shape)
+    q, k, v, dout = _qkv(*shape[:5], Dv=shape[5] if len(shape) > 5 else None)
     scale = shape[-1] ** -0.5
     out = attention_cpu.CausalAttention.apply(q, k, v, scale)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -102,11 +107,15 @@ def test_core_attention_takes_it_under_the_cpp_fusion_only():
     assert core_attention(q, k, v, 0.25).grad_fn.name() == "CausalAttentionBackward"
     assert core_attention(q, k, v, 0.25, backend="eager").grad_fn.name() != "CausalAttentionBackward"
     for args in ((q.double(), k.double(), v.double()),  # fp64: torch's SDPA
-                 (q[..., :8], k[..., :8], v[..., :8]),  # head dim 8 is not compiled in
-                 (q, k[..., :8, :], v[..., :8, :]),  # fewer keys than queries
-                 (q, k, v[..., :8])):  # MLA's shorter v heads
+                 (q[..., :12], k[..., :12], v[..., :12]),  # head dim 12 is not a multiple of 8
+                 (q, k, v[..., :12]),  # nor v's
+                 (q[..., :8], k, v),  # q and k of two head dims
+                 (q, k[..., :8, :], v[..., :8, :])):  # fewer keys than queries
         assert not attention_cpu.applies(*args)
-    assert [d for d in range(1, 200) if attention_cpu.head_dim_runs(d)] == list(range(16, 129, 16))
+    assert attention_cpu.applies(q, k, v[..., :8])  # MLA: v's heads narrower than q's and k's
+    mla = core_attention(q, k, v[..., :8], 0.25)
+    assert mla.grad_fn.name() == "CausalAttentionBackward" and mla.shape == (2, 4, 16, 8)
+    assert [d for d in range(1, 200) if attention_cpu.head_dim_runs(d)] == list(range(8, 129, 8))
     wide = _qkv(1, 2, 1, 4, 144)[:3]
     assert not attention_cpu.applies(*wide) and attention_cpu.applies(*(t[..., :128] for t in wide))
     long = [torch.empty(1, 2049, 2, 64).transpose(1, 2) for _ in range(3)]  # keys past L2: torch's kernel
@@ -120,8 +129,14 @@ def test_the_kernel_checks_its_arguments():
     q, k, v = q.detach(), k.detach(), v.detach()
     out, lse = q.new_empty(2, 4, 8, 16), q.new_empty(2, 4, 8)
     kernel = attention_cpu.ops().causal_forward
-    with pytest.raises(RuntimeError, match="head dim 8 is not a multiple of 16 up to 128"):
-        kernel(q[..., :8], k[..., :8], v[..., :8], 1.0, out[..., :8], lse)
+    with pytest.raises(RuntimeError, match="q/k head dim 12 is not a multiple of 8 up to 128"):
+        kernel(q[..., :12], k[..., :12], v, 1.0, out, lse)
+    with pytest.raises(RuntimeError, match="v head dim 4 is not a multiple of 8 up to 128"):
+        kernel(q, k, v[..., :4], 1.0, out[..., :4], lse)
+    with pytest.raises(RuntimeError, match=r"k must be \[2, 2, 8, 16\]"):  # q and k share a head dim
+        kernel(q, k[..., :8], v, 1.0, out, lse)
+    with pytest.raises(RuntimeError, match=r"out must be \[2, 4, 8, 8\]"):  # out has v's head dim
+        kernel(q, k, v[..., :8], 1.0, out, lse)
     with pytest.raises(RuntimeError, match="heads are not a multiple"):
         kernel(q[:, :3], k, v, 1.0, out[:, :3], lse[:, :3])
     with pytest.raises(RuntimeError, match="lse must be a contiguous float32 tensor of 64 elements"):

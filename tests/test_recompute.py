@@ -18,7 +18,7 @@ import torch
 from dist_utils import run_distributed
 from moetron.config import ModelConfig
 from moetron import ops
-from moetron.kernels import cpp_build
+from moetron.kernels import attention_cpu, cpp_build
 from moetron.ops import recompute
 from moetron.model.activation_memory import ActivationMeter, layer_activation_bytes
 from moetron.model.model import MoETransformer
@@ -268,18 +268,25 @@ def measure(model, ids, labels):
     return meter.layer_bytes, rows, {n: m.layer_idx for n, m in layers.items()}
 
 
-@pytest.mark.parametrize("family", ["qwen", "deepseek", "qwen_switch"])
+@pytest.mark.parametrize("family", ["qwen", "deepseek", "qwen_switch", "deepseek_cpp_attention"])
 def test_the_cpp_fusion_saves_what_the_formula_says(family):
     """Under train.fusion=cpp (the CPU default) the experts' SwiGLU is one C++ kernel, so is the permute
-    the trainer then takes, and so is a softmax router that `fused_router_covers` (qwen_switch): the
-    formula's `fused_*` terms, to the byte, with and without moe_act (the norms and RoPE save as before)."""
+    the trainer then takes, so is a softmax router that `fused_router_covers` (qwen_switch), and so is
+    MLA's attention where its head dims are multiples of 8 (deepseek_cpp_attention: q/k 16, v 8; the
+    other deepseek's q/k 12 keep SDPA's math path): the formula's `fused_*` / `cpp_attention` terms, to
+    the byte, with and without moe_act (the norms and RoPE save as before)."""
     if not cpp_build.cpp_status(build=True)[0]:
         pytest.skip("moetron's C++ kernels cannot be built here")
     from moetron.dispatch.permute import set_permute_impl
     from moetron.moe.router import fused_router_covers
 
-    config = {**QWEN, "aux_loss_type": "aux_loss", "z_loss_coeff": 0.0} if family == "qwen_switch" else FAMILIES[family]
+    config = ({**QWEN, "aux_loss_type": "aux_loss", "z_loss_coeff": 0.0} if family == "qwen_switch" else
+              {**FAMILIES["deepseek"], "qk_rope_head_dim": 8} if family == "deepseek_cpp_attention" else
+              FAMILIES[family])
     model = build(config)
+    c = model.config
+    cpp_attention = attention_cpu.shape_runs(S, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
+    assert cpp_attention == (family == "deepseek_cpp_attention") or c.attention_type == "gqa"
     fused_router = fused_router_covers(model.config.moe_config())
     assert fused_router == (family == "qwen_switch")
     ids, labels = data()
@@ -291,9 +298,10 @@ def test_the_cpp_fusion_saves_what_the_formula_says(family):
         for name, nbytes in got.items():
             want = layer_activation_bytes(model.config, index[name], B, S, rows[name], modules=modules,
                                           every_n_layers=0, fused_swiglu=True, fused_permute=True,
-                                          fused_router=fused_router)
+                                          fused_router=fused_router, cpp_attention=cpp_attention)
             assert nbytes == want.total, (family, modules, name, nbytes, want.terms)
     assert "expert silu(gate)" not in want.terms
+    assert ("core probabilities" in want.terms) == (family == "deepseek")  # SDPA's math path saves them
 
 
 @pytest.mark.parametrize("family,dtype,batch", [("qwen", torch.float32, B), ("deepseek", torch.float32, B),

@@ -13,7 +13,8 @@
 // arithmetic. Here one task is a (sequence, kv head): its query heads (GQA) run in turn over stripes of
 // kStripe query rows against the keys up to the stripe's last row, and each product above is a small
 // GEMM through one register tile (6 rows x 16 columns: twelve accumulators fed by two vector loads and
-// six broadcasts a step) that reads q, k, v, dout and writes out, dq, dk, dv in place. The heads that
+// six broadcasts a step; 6 x 8 for a head dim's last 8 columns) that reads q, k, v, dout and writes out,
+// dq, dk, dv in place. q and k have one head dim, v another (MLA: 24 and 16 in the DeepSeek-V3 proxy). The heads that
 // share a kv head add into its dk and dv in turn, so no two tasks write one row. Sums run in a different
 // order from torch's kernel: results agree to a few ulp (tests/test_causal_attention.py), not bit for bit.
 // A whole stripe's keys are read per stripe: past ~2k keys torch's kernel catches up (docs/performance.md).
@@ -43,7 +44,7 @@ using moetron::has_avx2_fma;  // the loops are compiled for AVX2+FMA and for the
 
 constexpr int kLanes = 8;                // floats per vector
 constexpr int kTileRows = 6;             // register tile: kTileRows x 2 vectors = 12 accumulators
-constexpr int kTileCols = 2 * kLanes;    // head dims and padded key counts are multiples of it
+constexpr int kTileCols = 2 * kLanes;    // padded key counts are multiples of it, head dims of kLanes
 constexpr int64_t kMaxHeadDim = 128;     // measured against torch's flash kernel up to here
 constexpr int64_t kStripe = 24;          // query rows per stripe (a stripe's scores stay in L2)
 using moetron::exp8;
@@ -70,9 +71,9 @@ View view_of(const Tensor& t) {
   return {const_cast<float*>(t.const_data_ptr<float>()), t.stride(0), t.stride(1), t.stride(2)};
 }
 
-// c[m, 0:16) = (Add ? c[m, 0:16) : 0) + sum_{k<K} a(m, k) * b[k * ldb, 0:16) for m < M, where a(m, k) is
-// a[m * lda + k], or a[m + k * lda] when Trans.
-template <int M, bool Add, bool Trans>
+// c[m, 0:8V) = (Add ? c[m, 0:8V) : 0) + sum_{k<K} a(m, k) * b[k * ldb, 0:8V) for m < M, where a(m, k) is
+// a[m * lda + k], or a[m + k * lda] when Trans; V = 2 vectors, or 1 for a head dim's last 8 columns.
+template <int M, bool Add, bool Trans, int V = 2>
 __attribute__((always_inline)) inline void tile(int64_t K, const float* __restrict a, int64_t lda,
                                                 const float* __restrict b, int64_t ldb, float* __restrict c,
                                                 int64_t ldc) {
@@ -80,21 +81,35 @@ __attribute__((always_inline)) inline void tile(int64_t K, const float* __restri
 #pragma GCC unroll 8  // the accumulators stay in registers (rolled, GCC keeps them in stack arrays)
   for (int m = 0; m < M; ++m) {
     lo[m] = Add ? load8(c + m * ldc) : vec8{};
-    hi[m] = Add ? load8(c + m * ldc + kLanes) : vec8{};
+    if constexpr (V == 2) hi[m] = Add ? load8(c + m * ldc + kLanes) : vec8{};
   }
   for (int64_t k = 0; k < K; ++k) {
-    const vec8 b0 = load8(b + k * ldb), b1 = load8(b + k * ldb + kLanes);
+    const vec8 b0 = load8(b + k * ldb), b1 = V == 2 ? load8(b + k * ldb + kLanes) : vec8{};
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const float x = Trans ? a[m + k * lda] : a[m * lda + k];
       lo[m] += x * b0;
-      hi[m] += x * b1;
+      if constexpr (V == 2) hi[m] += x * b1;
     }
   }
 #pragma GCC unroll 8
   for (int m = 0; m < M; ++m) {
     store8(c + m * ldc, lo[m]);
-    store8(c + m * ldc + kLanes, hi[m]);
+    if constexpr (V == 2) store8(c + m * ldc + kLanes, hi[m]);
+  }
+}
+
+// One row tile of `rows` (1 to kTileRows) rows, V vectors wide.
+template <bool Add, bool Trans, int V>
+__attribute__((always_inline)) inline void row_tile(int64_t rows, int64_t K, const float* a, int64_t lda,
+                                                    const float* b, int64_t ldb, float* c, int64_t ldc) {
+  switch (rows) {
+    case 6: tile<6, Add, Trans, V>(K, a, lda, b, ldb, c, ldc); break;
+    case 5: tile<5, Add, Trans, V>(K, a, lda, b, ldb, c, ldc); break;
+    case 4: tile<4, Add, Trans, V>(K, a, lda, b, ldb, c, ldc); break;
+    case 3: tile<3, Add, Trans, V>(K, a, lda, b, ldb, c, ldc); break;
+    case 2: tile<2, Add, Trans, V>(K, a, lda, b, ldb, c, ldc); break;
+    default: tile<1, Add, Trans, V>(K, a, lda, b, ldb, c, ldc); break;
   }
 }
 
@@ -104,7 +119,7 @@ __attribute__((always_inline)) inline void tile(int64_t K, const float* __restri
 enum class Causal { kNone, kColumns, kInner, kInnerFrom };
 
 // c[M, N] = (Add ? c : 0) + a[M, K] b[K, N], a as in tile(), rows of b and c ldb and ldc apart; N a
-// multiple of kTileCols. Per row tile, kColumns computes only the columns (keys) up to its last query,
+// multiple of kLanes. Per row tile, kColumns computes only the columns (keys) up to its last query,
 // kInner sums only the keys up to it, kInnerFrom only the stripe rows from its first key on.
 template <bool Add, bool Trans = false, Causal Mask = Causal::kNone>
 __attribute__((always_inline)) inline void gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t lda,
@@ -119,16 +134,9 @@ __attribute__((always_inline)) inline void gemm(int64_t M, int64_t N, int64_t K,
     const float* at = a + (Trans ? m0 + k0 * lda : m0 * lda + k0);
     const float* bt = b + k0 * ldb;
     float* ct = c + m0 * ldc;
-    for (int64_t n0 = 0; n0 < n1; n0 += kTileCols) {
-      switch (rows) {
-        case 6: tile<6, Add, Trans>(k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc); break;
-        case 5: tile<5, Add, Trans>(k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc); break;
-        case 4: tile<4, Add, Trans>(k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc); break;
-        case 3: tile<3, Add, Trans>(k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc); break;
-        case 2: tile<2, Add, Trans>(k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc); break;
-        default: tile<1, Add, Trans>(k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc); break;
-      }
-    }
+    int64_t n0 = 0;
+    for (; n0 + kTileCols <= n1; n0 += kTileCols) row_tile<Add, Trans, 2>(rows, k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc);
+    if (n0 < n1) row_tile<Add, Trans, 1>(rows, k1 - k0, at, lda, bt + n0, ldb, ct + n0, ldc);  // the last 8
   }
 }
 
@@ -136,7 +144,7 @@ __attribute__((always_inline)) inline void gemm(int64_t M, int64_t N, int64_t K,
 struct Args {
   View q, k, v, out, grad, dq, dk, dv;
   float* lse;
-  int64_t H, Hk, S, D;
+  int64_t H, Hk, S, Dk, Dv;  // head dims: q and k Dk, v Dv
   float scale;
 };
 
@@ -191,25 +199,25 @@ __attribute__((always_inline)) inline void softmax_rows(float* __restrict s, int
 }
 
 __attribute__((always_inline)) inline void forward_range(const Args& x, int64_t begin, int64_t end) {
-  const int64_t S = x.S, D = x.D, Sp = row_stride(S), group = x.H / x.Hk;
-  std::vector<float> kt(static_cast<size_t>(D * Sp)), s(static_cast<size_t>(kStripe * Sp));
-  std::vector<float> vc(static_cast<size_t>(S * (D + kTileCols)));
+  const int64_t S = x.S, Dk = x.Dk, Dv = x.Dv, Sp = row_stride(S), group = x.H / x.Hk;
+  std::vector<float> kt(static_cast<size_t>(Dk * Sp)), s(static_cast<size_t>(kStripe * Sp));
+  std::vector<float> vc(static_cast<size_t>(S * (Dv + kTileCols)));
   float inv[kStripe];
   for (int64_t t = begin; t < end; ++t) {
     const int64_t b = t / x.Hk, hk = t % x.Hk;
-    transpose(x.k, b, hk, S, D, Sp, kt.data());
-    pack_rows(x.v, b, hk, S, D, vc.data());
+    transpose(x.k, b, hk, S, Dk, Sp, kt.data());
+    pack_rows(x.v, b, hk, S, Dv, vc.data());
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t i0 = 0; i0 < S; i0 += kStripe) {
         const int64_t n = std::min(kStripe, S - i0), J = i0 + n;
-        gemm<false, false, Causal::kColumns>(n, padded(J), D, x.q.row(b, h, i0), x.q.ss, kt.data(), Sp, s.data(), Sp,
-                                             i0);
+        gemm<false, false, Causal::kColumns>(n, padded(J), Dk, x.q.row(b, h, i0), x.q.ss, kt.data(), Sp, s.data(),
+                                             Sp, i0);
         softmax_rows(s.data(), Sp, i0, n, x.scale, x.lse + (b * x.H + h) * S + i0, inv);
-        gemm<false, false, Causal::kInner>(n, D, J, s.data(), Sp, vc.data(), D + kTileCols, x.out.row(b, h, i0),
+        gemm<false, false, Causal::kInner>(n, Dv, J, s.data(), Sp, vc.data(), Dv + kTileCols, x.out.row(b, h, i0),
                                             x.out.ss, i0);
         for (int64_t r = 0; r < n; ++r) {
           float* o = x.out.row(b, h, i0 + r);
-          for (int64_t d = 0; d < D; ++d) o[d] *= inv[r];
+          for (int64_t d = 0; d < Dv; ++d) o[d] *= inv[r];
         }
       }
     }
@@ -217,26 +225,26 @@ __attribute__((always_inline)) inline void forward_range(const Args& x, int64_t 
 }
 
 __attribute__((always_inline)) inline void backward_range(const Args& x, int64_t begin, int64_t end) {
-  const int64_t S = x.S, D = x.D, Sp = row_stride(S), group = x.H / x.Hk;
-  std::vector<float> kt(static_cast<size_t>(D * Sp)), vt(static_cast<size_t>(D * Sp));
+  const int64_t S = x.S, Dk = x.Dk, Dv = x.Dv, Sp = row_stride(S), group = x.H / x.Hk;
+  std::vector<float> kt(static_cast<size_t>(Dk * Sp)), vt(static_cast<size_t>(Dv * Sp));
   std::vector<float> s(static_cast<size_t>(kStripe * Sp)), ds(static_cast<size_t>(kStripe * Sp));
-  std::vector<float> kc(static_cast<size_t>(S * (D + kTileCols)));
+  std::vector<float> kc(static_cast<size_t>(S * (Dk + kTileCols)));
   for (int64_t t = begin; t < end; ++t) {
     const int64_t b = t / x.Hk, hk = t % x.Hk;
-    transpose(x.k, b, hk, S, D, Sp, kt.data());
-    transpose(x.v, b, hk, S, D, Sp, vt.data());
-    pack_rows(x.k, b, hk, S, D, kc.data());
+    transpose(x.k, b, hk, S, Dk, Sp, kt.data());
+    transpose(x.v, b, hk, S, Dv, Sp, vt.data());
+    pack_rows(x.k, b, hk, S, Dk, kc.data());
     for (int64_t j = 0; j < S; ++j) {
-      std::fill(x.dk.row(b, hk, j), x.dk.row(b, hk, j) + D, 0.0f);
-      std::fill(x.dv.row(b, hk, j), x.dv.row(b, hk, j) + D, 0.0f);
+      std::fill(x.dk.row(b, hk, j), x.dk.row(b, hk, j) + Dk, 0.0f);
+      std::fill(x.dv.row(b, hk, j), x.dv.row(b, hk, j) + Dv, 0.0f);
     }
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t i0 = 0; i0 < S; i0 += kStripe) {
         const int64_t n = std::min(kStripe, S - i0), J = i0 + n;
-        gemm<false, false, Causal::kColumns>(n, padded(J), D, x.q.row(b, h, i0), x.q.ss, kt.data(), Sp, s.data(), Sp,
-                                             i0);
-        gemm<false, false, Causal::kColumns>(n, padded(J), D, x.grad.row(b, h, i0), x.grad.ss, vt.data(), Sp, ds.data(),
+        gemm<false, false, Causal::kColumns>(n, padded(J), Dk, x.q.row(b, h, i0), x.q.ss, kt.data(), Sp, s.data(),
                                              Sp, i0);
+        gemm<false, false, Causal::kColumns>(n, padded(J), Dv, x.grad.row(b, h, i0), x.grad.ss, vt.data(), Sp,
+                                             ds.data(), Sp, i0);
         const float* lse = x.lse + (b * x.H + h) * S + i0;
         for (int64_t r = 0; r < n; ++r) {  // s -> p, dout . v -> ds
           float* __restrict pr = s.data() + r * Sp;
@@ -244,7 +252,7 @@ __attribute__((always_inline)) inline void backward_range(const Args& x, int64_t
           const float* gi = x.grad.row(b, h, i0 + r);
           const float* oi = x.out.row(b, h, i0 + r);
           float Di = 0.0f;
-          for (int64_t d = 0; d < D; ++d) Di += gi[d] * oi[d];
+          for (int64_t d = 0; d < Dv; ++d) Di += gi[d] * oi[d];
           const float l = lse[r], sc = x.scale;
           const int64_t last = i0 + r;
           const int64_t L8 = (last + 1) / 8 * 8;
@@ -260,11 +268,11 @@ __attribute__((always_inline)) inline void backward_range(const Args& x, int64_t
           std::fill(pr + last + 1, pr + J, 0.0f);
           std::fill(dr + last + 1, dr + J, 0.0f);
         }
-        gemm<false, false, Causal::kInner>(n, D, J, ds.data(), Sp, kc.data(), D + kTileCols, x.dq.row(b, h, i0),
+        gemm<false, false, Causal::kInner>(n, Dk, J, ds.data(), Sp, kc.data(), Dk + kTileCols, x.dq.row(b, h, i0),
                                             x.dq.ss, i0);
-        gemm<true, true, Causal::kInnerFrom>(J, D, n, ds.data(), Sp, x.q.row(b, h, i0), x.q.ss, x.dk.row(b, hk, 0),
+        gemm<true, true, Causal::kInnerFrom>(J, Dk, n, ds.data(), Sp, x.q.row(b, h, i0), x.q.ss, x.dk.row(b, hk, 0),
                                               x.dk.ss, i0);
-        gemm<true, true, Causal::kInnerFrom>(J, D, n, s.data(), Sp, x.grad.row(b, h, i0), x.grad.ss,
+        gemm<true, true, Causal::kInnerFrom>(J, Dv, n, s.data(), Sp, x.grad.row(b, h, i0), x.grad.ss,
                                               x.dv.row(b, hk, 0), x.dv.ss, i0);
       }
     }
@@ -290,17 +298,24 @@ void check_lse(const Tensor& lse, int64_t B, int64_t H, int64_t S) {
               "moetron causal attention (cpp): lse must be a contiguous float32 tensor of ", B * H * S, " elements");
 }
 
+void check_head_dim(int64_t D, const char* which) {
+  TORCH_CHECK(D > 0 && D % kLanes == 0 && D <= kMaxHeadDim, "moetron causal attention (cpp): ", which, " head dim ", D,
+              " is not a multiple of ", kLanes, " up to ", kMaxHeadDim,
+              " (moetron.kernels.attention_cpu.applies says which run here)");
+}
+
 Args check_all(const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
-  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), D = q.size(3), Hk = k.dim() == 4 ? k.size(1) : 0;
-  check(q, "q", B, H, S, D);
-  check(k, "k", B, Hk, S, D);
-  check(v, "v", B, Hk, S, D);
+  const int64_t B = q.size(0), H = q.size(1), S = q.size(2), Dk = q.size(3), Hk = k.dim() == 4 ? k.size(1) : 0;
+  const int64_t Dv = v.dim() == 4 ? v.size(3) : 0;
+  check(q, "q", B, H, S, Dk);
+  check(k, "k", B, Hk, S, Dk);
+  check(v, "v", B, Hk, S, Dv);
   TORCH_CHECK(Hk > 0 && H % Hk == 0, "moetron causal attention (cpp): q's ", H, " heads are not a multiple of k's ", Hk);
-  TORCH_CHECK(D > 0 && D % kTileCols == 0 && D <= kMaxHeadDim, "moetron causal attention (cpp): head dim ", D,
-              " is not a multiple of 16 up to ", kMaxHeadDim, " (moetron.kernels.attention_cpu.applies says which run here)");
+  check_head_dim(Dk, "q/k");
+  check_head_dim(Dv, "v");
   Args x{};
   x.q = view_of(q), x.k = view_of(k), x.v = view_of(v);
-  x.H = H, x.Hk = Hk, x.S = S, x.D = D, x.scale = static_cast<float>(scale);
+  x.H = H, x.Hk = Hk, x.S = S, x.Dk = Dk, x.Dv = Dv, x.scale = static_cast<float>(scale);
   return x;
 }
 
@@ -317,7 +332,7 @@ void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, double sc
                     int64_t helpers) {
   Args x = check_all(q, k, v, scale);
   const int64_t B = q.size(0);
-  check(out, "out", B, x.H, x.S, x.D);
+  check(out, "out", B, x.H, x.S, x.Dv);
   check_lse(lse, B, x.H, x.S);
   x.out = view_of(out), x.lse = lse.data_ptr<float>();
   run_tasks(B * x.Hk, helpers, [&](int64_t b, int64_t e) { (has_avx2_fma() ? forward_fma : forward_plain)(x, b, e); });
@@ -328,11 +343,11 @@ void causal_backward(const Tensor& grad, const Tensor& q, const Tensor& k, const
                      const Tensor& lse, double scale, Tensor dq, Tensor dk, Tensor dv, int64_t helpers) {
   Args x = check_all(q, k, v, scale);
   const int64_t B = q.size(0);
-  check(grad, "grad", B, x.H, x.S, x.D);
-  check(out, "out", B, x.H, x.S, x.D);
-  check(dq, "dq", B, x.H, x.S, x.D);
-  check(dk, "dk", B, x.Hk, x.S, x.D);
-  check(dv, "dv", B, x.Hk, x.S, x.D);
+  check(grad, "grad", B, x.H, x.S, x.Dv);
+  check(out, "out", B, x.H, x.S, x.Dv);
+  check(dq, "dq", B, x.H, x.S, x.Dk);
+  check(dk, "dk", B, x.Hk, x.S, x.Dk);
+  check(dv, "dv", B, x.Hk, x.S, x.Dv);
   check_lse(lse, B, x.H, x.S);
   x.grad = view_of(grad), x.out = view_of(out), x.dq = view_of(dq), x.dk = view_of(dk), x.dv = view_of(dv);
   x.lse = const_cast<float*>(lse.const_data_ptr<float>());

@@ -131,13 +131,15 @@ class ActivationMeter(torch.autograd.graph.saved_tensors_hooks):
 # ------------------------------------------------------------------------------ the formula
 
 
-def attention_path(cfg: ModelConfig, device: str | torch.device = "cpu") -> str:
+def attention_path(cfg: ModelConfig, device: str | torch.device = "cpu", cpp_attention: bool = False) -> str:
     """Which kernel the attention core uses, as far as what it saves is concerned:
 
     `fused`: q, k, v (after the GQA head expansion), the output and the fp32 log-sum-exp
-      (sdpa's flash / memory-efficient / cuDNN kernels; flash-attn; TE);
+      (sdpa's flash / memory-efficient / cuDNN kernels; flash-attn; TE; moetron's C++ kernel,
+      `cpp_attention`: it takes MLA's v head size too);
     `math`: sdpa's composite fallback, taken on CPU when the value head size differs from the
-      query/key one (MLA): scaled copies of q and k^T, the probabilities, a copy of v;
+      query/key one (MLA) and the C++ kernel does not run: scaled copies of q and k^T, the
+      probabilities, a copy of v;
     `eager`: moetron's explicit reference: q and k^T as views, the causal mask, the probabilities
       (fp32), a copy of v.
     """
@@ -146,7 +148,7 @@ def attention_path(cfg: ModelConfig, device: str | torch.device = "cpu") -> str:
     if cfg.attention_backend in ("flash_attn", "te"):
         return "fused"
     if cfg.attention_type == "mla" and cfg.v_head_dim != cfg.qk_nope_head_dim + cfg.qk_rope_head_dim \
-            and torch.device(device).type == "cpu":
+            and torch.device(device).type == "cpu" and not cpp_attention:
         return "math"
     return "fused"
 
@@ -170,7 +172,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: in
                            *, modules: Iterable[str] | None = None, every_n_layers: int | None = None,
                            dtype: torch.dtype = torch.float32, device: str = "cpu", rope_batch: int = 1,
                            grouped_mm: bool = True, fused_swiglu: bool = False, fused_router: bool = False,
-                           fused_permute: bool = False) -> LayerActivations:
+                           fused_permute: bool = False, cpp_attention: bool = False) -> LayerActivations:
     """The formula: bytes decoder layer `layer_idx` of `cfg` saves for backward in training (one
     process, the torch permute, no capacity padding), term by term.
 
@@ -184,7 +186,9 @@ def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: in
     `fused_router`: the C++ softmax top-k router (train.fusion=cpp, where `fused_router_covers` the
     config) saves its probabilities, top-k index and counts only. `fused_permute`: the C++ (or Triton)
     permute, whose index maps ride on the autograd context rather than being saved (2 x rows x 8 bytes the
-    meter does not see), and whose unweighted combine saves nothing.
+    meter does not see), and whose unweighted combine saves nothing. `cpp_attention`: moetron's C++
+    attention (fp32 CPU under train.fusion=cpp, one process's whole sequence, the shapes of
+    `attention_cpu.shape_runs`), which saves what a fused kernel saves for MLA too.
     docs/activation_memory.md derives every term.
     """
     modules = cfg.recompute_modules if modules is None else list(modules)
@@ -206,7 +210,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: in
     if not discard_norm:  # the norm output, saved by the first projections (q/k/v or q_a/kv_a)
         out.add("attn norm output", T * H * b)
     out.add("rope tables", rope)
-    path = attention_path(cfg, device)
+    path = attention_path(cfg, device, cpp_attention)
     if cfg.attention_type == "gqa":
         _gqa(out, cfg, batch, seq, b, mods, path, device)
     else:

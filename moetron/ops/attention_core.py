@@ -1,7 +1,7 @@
 """The attention core behind one seam: softmax(q k^T * scale + causal) v.
 
 Backends: `sdpa` (torch's scaled_dot_product_attention; flash kernels on GPU; on a CPU under
-`train.fusion=cpp`, moetron's C++ kernel for head dims a multiple of 16 up to 128 and sequences
+`train.fusion=cpp`, moetron's C++ kernel for head dims a multiple of 8 up to 128 and sequences
 whose keys fit in L2, kernels/attention_cpu.py),
 `eager` (explicit matmuls, the readable reference), `flash_attn` and `te`
 (Transformer Engine), the last two GPU-only and used only when asked for.

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moetron.config import ModelConfig
+from moetron.kernels import attention_cpu
 from moetron.model.activation_memory import layer_activation_bytes
 from moetron.model.model import MoETransformer
 from moetron.moe.router import fused_router_covers
@@ -217,6 +218,13 @@ _FP8_LINEAR_INPUTS = ("expert input", "q latent", "kv latent", "expert weighted 
 FP8_BYTES = 1 + 4 / 128
 
 
+def _cpp_attention_runs(c: ModelConfig, seq: int) -> bool:
+    """Whether moetron's C++ attention takes this model's heads over `seq` positions (fp32 CPU aside)."""
+    if c.attention_type == "mla":
+        return attention_cpu.shape_runs(seq, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
+    return attention_cpu.shape_runs(seq, c.head_dim, c.head_dim)
+
+
 def layer_terms(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype: torch.dtype, device: str,
                 fp8: bool = False, fp8_cache: bool = False, profile: str = "moetron") -> dict[str, float]:
     """One micro-batch of decoder layer `layer_idx` on one rank (balanced routing), term by term, with the
@@ -235,7 +243,8 @@ def layer_terms(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype
     terms = layer_activation_bytes(c, layer_idx, cand.mbs, S, rows, modules=modules,
                                    every_n_layers=1 if cand.full_recompute else 0, dtype=dtype, device=device,
                                    fused_swiglu=cpp, fused_permute=cpp,
-                                   fused_router=cpp and fused_router_covers(c.moe_config(), cp=cand.cp)).terms
+                                   fused_router=cpp and fused_router_covers(c.moe_config(), cp=cand.cp),
+                                   cpp_attention=cpp and cand.cp == 1 and _cpp_attention_runs(c, S)).terms
     out = {n: _scale(n, v, tp, sp) for n, v in terms.items()}
     if tp > 1 and not cand.full_recompute:
         _tensor_parallel_terms(out, terms, c, layer_idx, cand, S, b, sp, modules, cpp)
