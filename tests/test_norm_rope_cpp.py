@@ -31,22 +31,44 @@ def _cos_sin(B, S, d, seed=1):
     return angles.cos(), angles.sin()
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
 @pytest.mark.parametrize("cos_batch", [1, 3])
-def test_rope_equals_the_reference_bit_for_bit(cos_batch, fusion):
+def test_rope_equals_the_reference_bit_for_bit(cos_batch, interleaved, fusion):
     x = _q_like().requires_grad_()
     cos, sin = _cos_sin(cos_batch, 20, 16)
     grad = torch.randn(3, 4, 20, 16)
-    ref = fn._rope_ref(x, cos, sin, False)
+    ref = fn._rope_ref(x, cos, sin, interleaved)
     (ref_grad,) = torch.autograd.grad(ref, x, grad)
     fusion("cpp")
-    out = ops.apply_rope(x, cos, sin)
+    out = ops.apply_rope(x, cos, sin, interleaved)
     assert out.grad_fn is not None and "Rope" in type(out.grad_fn).__name__  # the C++ path ran
     (out_grad,) = torch.autograd.grad(out, x, grad)
-    assert torch.equal(out, ref) and out.stride() == ref.stride()
+    assert torch.equal(out, ref) and (interleaved or out.stride() == ref.stride())
     assert torch.equal(out_grad, ref_grad)
     # the gradient as the attention's backward hands it over: not contiguous
-    (strided_grad,) = torch.autograd.grad(ops.apply_rope(x, cos, sin), x, grad.transpose(1, 2).contiguous().transpose(1, 2))
+    (strided_grad,) = torch.autograd.grad(ops.apply_rope(x, cos, sin, interleaved), x,
+                                          grad.transpose(1, 2).contiguous().transpose(1, 2))
     assert torch.equal(strided_grad, ref_grad)
+
+
+def test_interleaved_rope_of_mla_slices_equals_the_reference_bit_for_bit(fusion):
+    """DeepSeek-V3's rotary parts: q's last 8 of 24 per head (a strided slice of the projection) and the
+    shared key [B, 1, S, 8] (a slice of kv_a's output), each pair (x[2i], x[2i+1]) rotated, halves out."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 17, 4, 24, generator=g).transpose(1, 2)[..., 16:].requires_grad_()
+    k = torch.randn(2, 17, 40, generator=g)[..., 32:].view(2, 1, 17, 8).requires_grad_()
+    cos, sin = _cos_sin(1, 17, 8)
+    for x in (q, k):
+        grad = torch.randn(x.shape, generator=g)
+        ref = fn._rope_ref(x, cos, sin, True)
+        fusion("cpp")
+        out = ops.apply_rope(x, cos, sin, interleaved=True)
+        fusion("none")
+        assert "Rope" in type(out.grad_fn).__name__
+        assert torch.equal(out, ref)
+        assert torch.equal(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(ref, x, grad)[0])
+    # the pairs really are interleaved: swapping a pair's order changes the result
+    assert not torch.equal(fn._rope_ref(q, cos, sin, True), fn._rope_ref(q, cos, sin, False))
 
 
 def test_rms_norm_within_a_few_ulp_of_the_reference(fusion):
@@ -121,7 +143,10 @@ def test_other_dtypes_and_layouts_take_the_reference(fusion):
     x, w = torch.randn(4, 16).bfloat16(), torch.ones(16).bfloat16()
     assert torch.equal(ops.rms_norm(x, w, 1e-6), fn._rms_norm_ref(x, w, 1e-6))
     q, (cos, sin) = _q_like(d=8), _cos_sin(1, 20, 8)
-    assert torch.equal(ops.apply_rope(q, cos, sin, interleaved=True), fn._rope_ref(q, cos, sin, True))
+    qb = q.bfloat16().requires_grad_()
+    half = ops.apply_rope(qb, cos.bfloat16(), sin.bfloat16(), interleaved=True)
+    assert torch.equal(half, fn._rope_ref(qb, cos.bfloat16(), sin.bfloat16(), True))
+    assert "Rope" not in type(half.grad_fn).__name__  # bf16: the reference's ops, not the C++ kernel
 
 
 def test_auto_takes_cpp_on_a_cpu_and_says_why_not_when_it_cannot(monkeypatch):

@@ -8,6 +8,8 @@
 //   rms_backward:  n = x * rstd;  g = dy * w;  dx = rstd * (g - n * mean_h(g * n));  dw = sum_r dy * n
 //   rope:          halves layout, out[i] = x[i] c[i] - x[i+d/2] s[i],  out[i+d/2] = x[i+d/2] c[i+d/2] + x[i] s[i+d/2]
 //   rope (backward, transpose=true): dx[i] = g[i] c[i] + g[i+d/2] s[i+d/2],  dx[i+d/2] = g[i+d/2] c[i+d/2] - g[i] s[i]
+//   rope (interleaved=true, DeepSeek's): the same with x's pair (x[2i], x[2i+1]) in place of (x[i], x[i+d/2]),
+//                  the output in halves layout; its backward writes dx[2i], dx[2i+1]
 //
 // RoPE equals the torch reference bit for bit (the same two products and one add per element; no FMA:
 // cpp_build.py compiles with -ffp-contract=off). RMSNorm sums its squares in 8 fixed lanes, so rstd and
@@ -255,25 +257,41 @@ std::tuple<Tensor, Tensor> rms_backward(const Tensor& dy_in, const Tensor& x, co
 
 // --- RoPE --------------------------------------------------------------------------------------
 
-template <typename T>
-inline void rope_row(const T* __restrict x, const T* __restrict c, const T* __restrict s, T* __restrict o,
-                     int64_t half, bool transpose) {
+// A row's pair i is x[i], x[i + half] (halves layout), or x[2i], x[2i + 1] (interleaved: Step 2, Second 1,
+// which rotates both by cos/sin[i] as the reference's interleaved branch does; the tables hold each
+// frequency twice, so cos[i + half] is the same value).
+template <typename T, int64_t Step = 1, int64_t Second = 0>
+inline void rope_row_pairs(const T* __restrict x, const T* __restrict c, const T* __restrict s, T* __restrict o,
+                           int64_t half, bool transpose) {
+  const int64_t second = Second ? Second : half;  // where a pair's second element sits, past its first
+  const int64_t ch = Second ? 0 : half;           // where the second element's cos/sin sit, past the first's
   if (!transpose) {
     for (int64_t i = 0; i < half; ++i) {
-      o[i] = x[i] * c[i] - x[i + half] * s[i];
-      o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+      const T x1 = x[Step * i], x2 = x[Step * i + second];
+      o[i] = x1 * c[i] - x2 * s[i];
+      o[i + half] = x2 * c[i + ch] + x1 * s[i + ch];
     }
-  } else {
+  } else {  // x is the output's gradient (halves layout), o the input's (in x's pairs)
     for (int64_t i = 0; i < half; ++i) {
-      o[i] = x[i] * c[i] + x[i + half] * s[i + half];
-      o[i + half] = x[i + half] * c[i + half] - x[i] * s[i];
+      o[Step * i] = x[i] * c[i] + x[i + half] * s[i + ch];
+      o[Step * i + second] = x[i + half] * c[i + ch] - x[i] * s[i];
     }
+  }
+}
+
+template <typename T>
+inline void rope_row(const T* __restrict x, const T* __restrict c, const T* __restrict s, T* __restrict o,
+                     int64_t half, bool transpose, bool interleaved = false) {
+  if (interleaved) {
+    rope_row_pairs<T, 2, 1>(x, c, s, o, half, transpose);
+  } else {
+    rope_row_pairs<T>(x, c, s, o, half, transpose);
   }
 }
 
 // x (and the output, laid out like x) [B, heads, S, d] with unit stride on d; cos/sin [Bc, 1, S, d]
 // (Bc 1 or B), each frequency twice (halves layout).
-Tensor rope(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, bool transpose) {
+Tensor rope(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, bool transpose, bool interleaved) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0,
               "moetron rope (cpp): x must be a CPU tensor [B, heads, S, d] with unit stride on an even d, got ",
               x.sizes(), " strides ", x.strides());
@@ -303,7 +321,7 @@ Tensor rope(const Tensor& x, const Tensor& cos_in, const Tensor& sin_in, bool tr
       for (int64_t r = begin; r < end; ++r) {
         const int64_t cs = ((per_batch ? b : 0) * S + t) * D;
         rope_row(xp + b * xs0 + h * xs1 + t * xs2, cp + cs, sp + cs, op + b * os0 + h * os1 + t * os2, D / 2,
-                 transpose);
+                 transpose, interleaved);
         if (++t == S) {
           t = 0;
           if (++h == NH) h = 0, ++b;
@@ -374,7 +392,7 @@ std::tuple<Tensor, Tensor> rms_rope_backward(const Tensor& dy_in, const Tensor& 
               "moetron rms_norm_rope (cpp) backward: grad must be [B, heads, S, d] for x ", x.sizes(), ", got ",
               dy_in.sizes());
   const Tensor dy = dy_in.stride(3) == 1 ? dy_in : dy_in.contiguous();
-  const Tensor g = rope(dy, cos.unsqueeze(1), sin.unsqueeze(1), true).transpose(1, 2);
+  const Tensor g = rope(dy, cos.unsqueeze(1), sin.unsqueeze(1), true, false).transpose(1, 2);
   return rms_backward(g, x, w, rstd, need_weight_grad);
 }
 
@@ -384,7 +402,7 @@ TORCH_LIBRARY(moetron_norm, m) {
   m.def("rms_forward(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)", &rms_forward);
   m.def("rms_backward(Tensor grad, Tensor x, Tensor weight, Tensor rstd, bool need_weight_grad) -> (Tensor, Tensor)",
         &rms_backward);
-  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool transpose) -> Tensor", &rope);
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool transpose, bool interleaved=False) -> Tensor", &rope);
   m.def("rms_rope_forward(Tensor x, Tensor weight, float eps, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
         &rms_rope_forward);
   m.def("rms_rope_backward(Tensor grad, Tensor x, Tensor weight, Tensor rstd, Tensor cos, Tensor sin, "

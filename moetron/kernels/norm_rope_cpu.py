@@ -43,12 +43,14 @@ class RMSNormFunction(torch.autograd.Function):
 
 class RopeFunction(torch.autograd.Function):
     """x [B, heads, S, d] (unit stride on d), cos/sin [B or 1, 1, S, d] without grad; the output
-    is laid out like x."""
+    is laid out like x. `interleaved`: DeepSeek's pairs (x[2i], x[2i+1]) rotate, written in halves
+    layout (`functional._rope_ref`'s interleaved branch, bit for bit)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin):
+    def forward(ctx, x, cos, sin, interleaved=False):
         ctx.save_for_backward(cos, sin)
-        return ops().rope(x, cos, sin, False)
+        ctx.interleaved = interleaved
+        return ops().rope(x, cos, sin, False, interleaved)
 
     @staticmethod
     @once_differentiable
@@ -56,7 +58,7 @@ class RopeFunction(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         if grad.stride(-1) != 1:
             grad = grad.contiguous()
-        return ops().rope(grad, cos, sin, True), None, None
+        return ops().rope(grad, cos, sin, True, ctx.interleaved), None, None, None
 
 
 class RMSNormRopeFunction(torch.autograd.Function):

@@ -228,9 +228,9 @@ def weighted_swiglu(gate_up: torch.Tensor, probs: torch.Tensor | None = None, im
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     if _mode == "compile":
         return _dispatch("rope", _rope_ref)(x, cos, sin, interleaved)
-    if (_mode == "cpp" and not interleaved and not (cos.requires_grad or sin.requires_grad)
+    if (_mode == "cpp" and not (cos.requires_grad or sin.requires_grad)
             and norm_rope_cpu.rope_applies(x, cos, sin)):
-        return norm_rope_cpu.RopeFunction.apply(x, cos.unsqueeze(1), sin.unsqueeze(1))
+        return norm_rope_cpu.RopeFunction.apply(x, cos.unsqueeze(1), sin.unsqueeze(1), interleaved)
     if _mode == "triton" and not interleaved and _triton_rope.applies(x, cos, sin):
         return _triton_rope.RopeFunction.apply(x, cos, sin)
     return _rope_eager(x, cos, sin, interleaved)
