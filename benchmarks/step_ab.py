@@ -4,7 +4,7 @@
     python benchmarks/step_ab.py --compare helper           # a small model's helper thread (wide threads 2), or none
     python benchmarks/step_ab.py --compare attention_split --set train.fusion=none  # torch's attention in two halves, or one call
     python benchmarks/step_ab.py --compare permute          # the MoE permute in torch ops, or the C++ kernel
-    python benchmarks/step_ab.py --compare router           # the softmax top-k router in torch ops, or in C++
+    python benchmarks/step_ab.py --compare router           # the router (softmax or DeepSeek's sigmoid) in torch ops, or in C++
     python benchmarks/step_ab.py --compare norm_rope        # Qwen3's q/k norm and RoPE as two C++ ops, or one
     python benchmarks/step_ab.py --compare stacked_projections  # q/k/v (gate/up) as one autograd node, or three
     python benchmarks/step_ab.py --compare attention_kernel  # torch's flash attention, or moetron's C++ kernel
@@ -50,7 +50,6 @@ def _switched(owner, attr: str, off, labels: tuple[str, str]):
 def _settings(name: str):
     """(label, apply) for the setting off and on."""
     from moetron.kernels import attention_cpu, cross_entropy_cpu, norm_rope_cpu, sdpa_cpu, threads
-    from moetron.moe.router import TopKRouter
     from moetron.ops import linear
     from moetron.train import trainer
 
@@ -69,8 +68,9 @@ def _settings(name: str):
     if name == "norm_rope":
         return _switched(norm_rope_cpu, "rms_norm_rope_applies", never,
                          ("q/k norm, then RoPE", "q/k norm and RoPE in one op"))
-    if name == "router":
-        return _switched(TopKRouter, "_fused", lambda *args: None, ("eager router", "C++ router"))
+    if name == "router":  # the softmax top-k router and DeepSeek-V3's sigmoid one alike
+        from moetron.kernels import fused_router
+        return _switched(fused_router, "applies", never, ("eager router", "C++ router"))
     if name == "attention_kernel":
         return _switched(attention_cpu, "applies", never, ("torch's flash kernel", "moetron's C++ attention"))
     if name == "stacked_projections":

@@ -271,7 +271,8 @@ def measure(model, ids, labels):
 @pytest.mark.parametrize("family", ["qwen", "deepseek", "qwen_switch", "deepseek_cpp_attention"])
 def test_the_cpp_fusion_saves_what_the_formula_says(family):
     """Under train.fusion=cpp (the CPU default) the experts' SwiGLU is one C++ kernel, so is the permute
-    the trainer then takes, so is a softmax router that `fused_router_covers` (qwen_switch), and so is
+    the trainer then takes, so is a softmax router that `fused_router_covers` (qwen_switch) and DeepSeek's
+    sigmoid router's selection, and so is
     MLA's attention where its head dims are multiples of 8 (deepseek_cpp_attention: q/k 16, v 8; the
     other deepseek's q/k 12 keep SDPA's math path): the formula's `fused_*` / `cpp_attention` terms, to
     the byte, with and without moe_act (the norms and RoPE save as before)."""
@@ -298,10 +299,13 @@ def test_the_cpp_fusion_saves_what_the_formula_says(family):
         for name, nbytes in got.items():
             want = layer_activation_bytes(model.config, index[name], B, S, rows[name], modules=modules,
                                           every_n_layers=0, fused_swiglu=True, fused_permute=True,
-                                          fused_router=fused_router, cpp_attention=cpp_attention)
+                                          fused_router=fused_router, cpp_attention=cpp_attention,
+                                          cpp_sigmoid_router=True)
             assert nbytes == want.total, (family, modules, name, nbytes, want.terms)
     assert "expert silu(gate)" not in want.terms
     assert ("core probabilities" in want.terms) == (family == "deepseek")  # SDPA's math path saves them
+    if c.moe_config().score_func == "sigmoid":  # DeepSeek's router selects in C++: no normalisation kept
+        assert c.norm_topk_prob and "router weight normalisation" not in want.terms
 
 
 @pytest.mark.parametrize("family,dtype,batch", [("qwen", torch.float32, B), ("deepseek", torch.float32, B),

@@ -1,8 +1,10 @@
-// The softmax top-k router's selection and its backward for CPU tensors (moetron.kernels.fused_router,
-// train.fusion "cpp"). Built with the other csrc files into one library by moetron/kernels/cpp_build.py
-// and registered as torch.ops.moetron_router.*. Why: the eager router is ~25 small ops forward and ~15
-// backward per MoE layer (softmax twice, top-k, gather, normalisation, two expert counts, the Switch
-// loss); in a small model each costs more than its arithmetic.
+// The softmax top-k router's selection and its backward, and the sigmoid (group-limited, biased) router's,
+// for CPU tensors (moetron.kernels.fused_router, train.fusion "cpp"). Built with the other csrc files into
+// one library by moetron/kernels/cpp_build.py and registered as torch.ops.moetron_router.*. Why: the eager
+// router is ~25 small ops forward and ~15 backward per MoE layer (softmax twice, top-k, gather,
+// normalisation, two expert counts, the Switch loss; DeepSeek-V3's: sigmoid, bias, the group scores' two
+// top-k, a mask, the top-k, gather, normalisation, scaling, counts); in a small model each costs more
+// than its arithmetic.
 //
 //   forward:  p = softmax(logits);  idx[t] = the k largest p[t, :], descending
 //             (NaN first, ties to the lower expert);  w[t, j] = p[t, idx[t, j]], / (sum_j w[t, j] + 1e-20)
@@ -26,6 +28,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -90,6 +93,52 @@ Tensor small_softmax(const Tensor& logits) {
   return probs;
 }
 
+// The k best of n candidates (value v(i), id i), in rank order, into out[0..k).
+template <typename Value>
+inline void top_k_of(int64_t n, int64_t k, const Value& v, int64_t* out) {
+  int64_t m = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    if (m == k && !before(v(e), e, v(out[k - 1]), out[k - 1])) continue;
+    int64_t j = m < k ? m++ : k - 1;
+    while (j > 0 && before(v(e), e, v(out[j - 1]), out[j - 1])) {
+      out[j] = out[j - 1];
+      --j;
+    }
+    out[j] = e;
+  }
+}
+
+// w[j] = p[idx[j]], / (their sum in order + 1e-20) when normalised, * scale; counts[idx[j]] += 1.
+inline void write_weights(const float* p, const int64_t* it, int64_t k, bool normalize, float scale, float* wt,
+                          int64_t* counts) {
+  float total = 0.0f;
+  for (int64_t j = 0; j < k; ++j) {
+    wt[j] = p[it[j]];
+    total += wt[j];
+    ++counts[it[j]];
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    if (normalize) wt[j] = wt[j] / (total + 1e-20f);
+    if (scale != 1.0f) wt[j] = wt[j] * scale;
+  }
+}
+
+// write_weights' backward: d[idx_j] += d w_j / d p[idx_j] applied to g (gw = g * scale; normalised, with
+// S = sum_j p[idx_j] + 1e-20: gw_j / S - (sum_i gw_i p[idx_i]) / S^2).
+inline void add_weights_grad(const float* p, const int64_t* it, const float* g, int64_t k, bool normalize,
+                             float scale, float* d) {
+  if (!normalize) {
+    for (int64_t j = 0; j < k; ++j) d[it[j]] += g[j] * scale;
+    return;
+  }
+  float total = 0.0f, dot = 0.0f;
+  for (int64_t j = 0; j < k; ++j) total += p[it[j]];
+  total += 1e-20f;
+  for (int64_t j = 0; j < k; ++j) dot += (g[j] * scale) * p[it[j]];
+  const float common = -dot / (total * total);
+  for (int64_t j = 0; j < k; ++j) d[it[j]] += (g[j] * scale) / total + common;
+}
+
 // logits [T, E] -> probs [T, E], idx [T, k] int64, weights [T, k], counts [E] int64, prob_sums [E].
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> topk_softmax_forward(const Tensor& logits, int64_t k,
                                                                          bool normalize, double scale) {
@@ -115,27 +164,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> topk_softmax_forward(const Te
         const float* p = pp + t * E;
         int64_t* it = ip + t * k;
         float* wt = wp + t * k;
-        int64_t n = 0;  // insertion into the k best so far, kept in rank order
-        for (int64_t e = 0; e < E; ++e) {
-          sums[e] += p[e];
-          if (n == k && !before(p[e], e, p[it[k - 1]], it[k - 1])) continue;
-          int64_t j = n < k ? n++ : k - 1;
-          while (j > 0 && before(p[e], e, p[it[j - 1]], it[j - 1])) {
-            it[j] = it[j - 1];
-            --j;
-          }
-          it[j] = e;
-        }
-        float total = 0.0f;
-        for (int64_t j = 0; j < k; ++j) {
-          wt[j] = p[it[j]];
-          total += wt[j];
-          ++counts[it[j]];
-        }
-        for (int64_t j = 0; j < k; ++j) {
-          if (normalize) wt[j] = wt[j] / (total + 1e-20f);
-          if (fscale != 1.0f) wt[j] = wt[j] * fscale;
-        }
+        for (int64_t e = 0; e < E; ++e) sums[e] += p[e];
+        top_k_of(E, k, [&](int64_t e) { return p[e]; }, it);
+        write_weights(p, it, k, normalize, fscale, wt, counts);
       }
     }
   });
@@ -182,16 +213,7 @@ Tensor topk_softmax_backward(const Tensor& grad_in, const Tensor& probs, const T
       const int64_t* it = ip + t * k;
       const float* g = gp + t * k;
       for (int64_t e = 0; e < E; ++e) dp[e] = ap ? ap[e] : 0.0f;
-      if (normalize) {
-        float total = 0.0f, dot = 0.0f;
-        for (int64_t j = 0; j < k; ++j) total += p[it[j]];
-        total += 1e-20f;
-        for (int64_t j = 0; j < k; ++j) dot += (g[j] * fscale) * p[it[j]];
-        const float common = -dot / (total * total);
-        for (int64_t j = 0; j < k; ++j) dp[it[j]] += (g[j] * fscale) / total + common;
-      } else {
-        for (int64_t j = 0; j < k; ++j) dp[it[j]] += g[j] * fscale;
-      }
+      add_weights_grad(p, it, g, k, normalize, fscale, dp.data());
       float inner = 0.0f;
       for (int64_t e = 0; e < E; ++e) inner += p[e] * dp[e];
       float* out = dp_out + t * E;
@@ -199,6 +221,99 @@ Tensor topk_softmax_backward(const Tensor& grad_in, const Tensor& probs, const T
     }
   });
   return dlogits;
+}
+
+// --- the sigmoid router (DeepSeek-V3) -------------------------------------------------------------
+//
+//   forward:  c = s + bias (s = sigmoid(logits), ATen's, passed in; bias when given); with G > 1 groups of
+//             E/G experts, group g scores the sum of its two largest c (the larger first) and only the
+//             topk_groups best groups keep their experts (the rest rank as -inf); idx[t] = the k largest
+//             kept c[t, :], descending (NaN first, ties to the lower expert or group);
+//             w[t, j] = s[t, idx[t, j]], / (sum_j w[t, j] + 1e-20) when normalised, * scale; counts
+//   backward: d s, zero but at idx: gw = grad_w * scale; normalised, with S = sum_j s[idx_j] + 1e-20,
+//             ds[idx_j] = gw_j / S - (sum_i gw_i s[idx_i]) / S^2 (torch's sigmoid backward then takes it)
+
+// scores [T, E] -> weights [T, k], idx [T, k] int64, counts [E] int64.
+std::tuple<Tensor, Tensor, Tensor> topk_sigmoid_forward(const Tensor& scores, const c10::optional<Tensor>& bias_in,
+                                                         int64_t k, int64_t groups, int64_t topk_groups,
+                                                         bool normalize, double scale) {
+  check_logits(scores, k, "sigmoid forward");
+  const int64_t T = scores.size(0), E = scores.size(1);
+  TORCH_CHECK(groups >= 1 && E % groups == 0 && topk_groups >= 1 && topk_groups <= groups &&
+                  k <= topk_groups * (E / groups),
+              "moetron router (cpp) sigmoid forward: ", groups, " groups of E=", E, " experts, top ", topk_groups,
+              " of them and top_k=", k, " do not fit (E a multiple of the groups, top_k <= the kept experts)");
+  const Tensor bias = bias_in.has_value() && bias_in->defined() ? bias_in->contiguous() : Tensor();
+  TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.numel() == E && bias.device().is_cpu()),
+              "moetron router (cpp) sigmoid forward: the expert bias must be a float32 CPU tensor [E=", E, "]");
+  Tensor idx = at::empty({T, k}, scores.options().dtype(at::kLong));
+  Tensor weights = at::empty({T, k}, scores.options());
+  const int64_t blocks = std::max<int64_t>(1, (T + kSumBlockRows - 1) / kSumBlockRows);
+  Tensor part_counts = at::zeros({blocks, E}, scores.options().dtype(at::kLong));
+  const float* sp = scores.const_data_ptr<float>();
+  const float* bp = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
+  int64_t* ip = idx.data_ptr<int64_t>();
+  float* wp = weights.data_ptr<float>();
+  int64_t* cp = part_counts.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t per_group = E / groups, top2 = std::min<int64_t>(2, per_group);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> c(E), group_score(groups);
+    std::vector<int64_t> best(std::max<int64_t>(topk_groups, top2));
+    std::vector<char> kept(groups);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      int64_t* counts = cp + blk * E;
+      for (int64_t t = blk * kSumBlockRows; t < std::min(T, (blk + 1) * kSumBlockRows); ++t) {
+        const float* st = sp + t * E;
+        for (int64_t e = 0; e < E; ++e) c[e] = bp ? st[e] + bp[e] : st[e];
+        if (groups > 1) {
+          for (int64_t g = 0; g < groups; ++g) {
+            const float* cg = c.data() + g * per_group;
+            top_k_of(per_group, top2, [&](int64_t i) { return cg[i]; }, best.data());
+            group_score[g] = top2 == 2 ? cg[best[0]] + cg[best[1]] : cg[best[0]];
+          }
+          top_k_of(groups, topk_groups, [&](int64_t g) { return group_score[g]; }, best.data());
+          std::fill(kept.begin(), kept.end(), 0);
+          for (int64_t j = 0; j < topk_groups; ++j) kept[best[j]] = 1;
+          for (int64_t g = 0; g < groups; ++g)
+            if (!kept[g]) std::fill(c.begin() + g * per_group, c.begin() + (g + 1) * per_group, -INFINITY);
+        }
+        int64_t* it = ip + t * k;
+        top_k_of(E, k, [&](int64_t e) { return c[e]; }, it);
+        write_weights(st, it, k, normalize, fscale, wp + t * k, counts);
+      }
+    }
+  });
+  Tensor counts = part_counts.sum(0);
+  return {weights, idx, counts};
+}
+
+// grad_weights [T, k] (any strides), scores [T, E], idx [T, k] -> d scores [T, E].
+Tensor topk_sigmoid_backward(const Tensor& grad_in, const Tensor& scores, const Tensor& idx, bool normalize,
+                             double scale) {
+  check_logits(scores, idx.size(1), "sigmoid backward");
+  const int64_t T = scores.size(0), E = scores.size(1), k = idx.size(1);
+  const Tensor grad = grad_in.contiguous();
+  TORCH_CHECK(grad.scalar_type() == at::kFloat && grad.sizes() == idx.sizes() && idx.scalar_type() == at::kLong &&
+                  idx.is_contiguous() && idx.size(0) == T,
+              "moetron router (cpp) sigmoid backward: grad must be float32 ", idx.sizes(), " like idx [T=", T,
+              ", k], got ", grad.scalar_type(), " ", grad.sizes());
+  Tensor dscores = at::zeros({T, E}, scores.options());
+  const float* gp = grad.const_data_ptr<float>();
+  const float* sp = scores.const_data_ptr<float>();
+  const int64_t* ip = idx.const_data_ptr<int64_t>();
+  float* dp = dscores.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / std::max<int64_t>(E, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* s = sp + t * E;
+      const int64_t* it = ip + t * k;
+      const float* g = gp + t * k;
+      float* out = dp + t * E;
+      add_weights_grad(s, it, g, k, normalize, fscale, out);
+    }
+  });
+  return dscores;
 }
 
 }  // namespace
@@ -210,4 +325,9 @@ TORCH_LIBRARY(moetron_router, m) {
   m.def("topk_softmax_backward(Tensor grad, Tensor probs, Tensor idx, bool normalize, float scale, Tensor? aux) -> "
         "Tensor",
         &topk_softmax_backward);
+  m.def("topk_sigmoid_forward(Tensor scores, Tensor? bias, int k, int groups, int topk_groups, bool normalize, "
+        "float scale) -> (Tensor, Tensor, Tensor)",
+        &topk_sigmoid_forward);
+  m.def("topk_sigmoid_backward(Tensor grad, Tensor scores, Tensor idx, bool normalize, float scale) -> Tensor",
+        &topk_sigmoid_backward);
 }

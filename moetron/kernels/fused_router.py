@@ -8,6 +8,11 @@ probabilities), top-k, gather, normalisation, two expert counts and the Switch l
 The probabilities are ATen's softmax, so the experts chosen are the eager router's (ties go to the
 lower expert id); weights and gradients agree with the eager router within a few ulp (sums in
 another order; moetron/csrc/router_cpu.cpp, bounds in tests/test_fused_router.py).
+
+DeepSeek-V3's sigmoid router (`TopKSigmoid`: an expert bias that only chooses, group-limited selection,
+normalised and scaled weights) takes the same route from ATen's sigmoid on: its expert bias, group
+scores, top-k, gather, normalisation, scaling and counts, ~12 ops forward and ~8 backward, in one pass
+each way; the balancing losses, capacity drops and the sigmoid's own backward stay torch's.
 """
 
 from __future__ import annotations
@@ -59,6 +64,32 @@ class TopKSoftmax(torch.autograd.Function):
         aux = None if ctx.aux_grad is None else ctx.aux_grad(counts)
         grad = ctx.kernels.backward(grad_weights, probs, idx, ctx.normalize, ctx.scale, aux)
         return grad, None, None, None, None, None
+
+
+class TopKSigmoid(torch.autograd.Function):
+    """scores [T, E] fp32 (torch.sigmoid of the logits) -> (weights [T, k], topk_idx [T, k], counts [E] int64).
+
+    `bias` [E] (or None) only chooses; `groups` > 1: each token keeps its `topk_groups` best groups of
+    E / groups experts (scored by their two largest biased scores) before the top-k. Only `weights` is
+    differentiable; its backward hands torch's sigmoid backward d scores (zero off the chosen experts).
+    """
+
+    @staticmethod
+    def forward(ctx, scores, bias, k: int, groups: int, topk_groups: int, normalize: bool, scale: float):
+        weights, idx, counts = ops().topk_sigmoid_forward(scores, bias, k, groups, topk_groups, normalize, scale)
+        ctx.save_for_backward(scores, idx)
+        ctx.normalize, ctx.scale = normalize, scale
+        ctx.mark_non_differentiable(idx, counts)
+        return weights, idx, counts
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_weights, *unused):
+        scores, idx = ctx.saved_tensors
+        if grad_weights is None:
+            return None, None, None, None, None, None, None
+        grad = ops().topk_sigmoid_backward(grad_weights, scores, idx, ctx.normalize, ctx.scale)
+        return grad, None, None, None, None, None, None
 
 
 def applies(logits: torch.Tensor) -> bool:

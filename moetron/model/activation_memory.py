@@ -172,7 +172,8 @@ def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: in
                            *, modules: Iterable[str] | None = None, every_n_layers: int | None = None,
                            dtype: torch.dtype = torch.float32, device: str = "cpu", rope_batch: int = 1,
                            grouped_mm: bool = True, fused_swiglu: bool = False, fused_router: bool = False,
-                           fused_permute: bool = False, cpp_attention: bool = False) -> LayerActivations:
+                           fused_permute: bool = False, cpp_attention: bool = False,
+                           cpp_sigmoid_router: bool = False) -> LayerActivations:
     """The formula: bytes decoder layer `layer_idx` of `cfg` saves for backward in training (one
     process, the torch permute, no capacity padding), term by term.
 
@@ -188,7 +189,9 @@ def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: in
     permute, whose index maps ride on the autograd context rather than being saved (2 x rows x 8 bytes the
     meter does not see), and whose unweighted combine saves nothing. `cpp_attention`: moetron's C++
     attention (fp32 CPU under train.fusion=cpp, one process's whole sequence, the shapes of
-    `attention_cpu.shape_runs`), which saves what a fused kernel saves for MLA too.
+    `attention_cpu.shape_runs`), which saves what a fused kernel saves for MLA too. `cpp_sigmoid_router`:
+    DeepSeek-V3's sigmoid router selects in C++ (train.fusion=cpp): it saves the scores and the top-k
+    index, nothing for the weights' normalisation.
     docs/activation_memory.md derives every term.
     """
     modules = cfg.recompute_modules if modules is None else list(modules)
@@ -220,7 +223,7 @@ def layer_activation_bytes(cfg: ModelConfig, layer_idx: int, batch: int, seq: in
     _norm(out, "mlp norm", T, H, b, discard_norm)
     if cfg.is_moe_layer(layer_idx):
         _moe(out, cfg, T, batch, b, mods, T * cfg.top_k if rows is None else rows, grouped_mm, fused_swiglu,
-             fused_router, fused_permute)
+             fused_router, fused_permute, cpp_sigmoid_router)
     else:
         if not discard_norm:  # saved by gate/up (or held as the checkpoint's input)
             out.add("mlp norm output", T * H * b)
@@ -324,7 +327,8 @@ def _mla(out: LayerActivations, cfg: ModelConfig, B: int, S: int, b: int, mods, 
 
 
 def _moe(out: LayerActivations, cfg: ModelConfig, T: int, B: int, b: int, mods, N: int, grouped_mm: bool,
-         fused_swiglu: bool = False, fused_router: bool = False, fused_permute: bool = False) -> None:
+         fused_swiglu: bool = False, fused_router: bool = False, fused_permute: bool = False,
+         cpp_sigmoid_router: bool = False) -> None:
     H, E, k = cfg.hidden_size, cfg.num_experts, cfg.top_k
     moe_cfg = cfg.moe_config()
     discard_norm = "layernorm" in mods
@@ -342,7 +346,7 @@ def _moe(out: LayerActivations, cfg: ModelConfig, T: int, B: int, b: int, mods, 
         out.add("router top-k index", T * k * 8)
         out.add("router expert counts", E * 8)
     else:
-        _eager_router(out, moe_cfg, T, B, k)
+        _eager_router(out, moe_cfg, T, B, k, cpp_sigmoid_router and moe_cfg.score_func == "sigmoid")
     # dispatch / combine
     if not fused_permute:  # torch permute
         out.add("permute token index", N * 8)  # index_select; index_add reuses it
@@ -365,14 +369,15 @@ def _moe(out: LayerActivations, cfg: ModelConfig, T: int, B: int, b: int, mods, 
         _swiglu_mlp(out, "shared experts", T, moe_cfg.shared_expert_ffn_size, b)
 
 
-def _eager_router(out: LayerActivations, moe_cfg, T: int, B: int, k: int) -> None:
-    """What the eager TopKRouter saves (fp32): scores, top-k index, normalisation, balancing losses."""
+def _eager_router(out: LayerActivations, moe_cfg, T: int, B: int, k: int, cpp_selection: bool = False) -> None:
+    """What the eager TopKRouter saves (fp32): scores, top-k index, normalisation, balancing losses
+    (`cpp_selection`: the sigmoid router's selection in C++, which saves no normalisation)."""
     E = moe_cfg.num_experts
     out.add("router scores", T * E * 4)  # softmax / sigmoid result (also gather's input)
     out.add("router top-k index", T * k * 8)
     if moe_cfg.score_func == "softmax" and not moe_cfg.softmax_before_topk:
         out.add("router top-k softmax", T * k * 4)
-    elif moe_cfg.norm_topk_prob:
+    elif moe_cfg.norm_topk_prob and not cpp_selection:
         out.add("router weight normalisation", T * k * 4 + T * 4)  # div: weights and their sum
     if moe_cfg.aux_loss_type != "none" and moe_cfg.aux_loss_coeff > 0:
         if moe_cfg.score_func != "softmax":  # sigmoid scores / their sum

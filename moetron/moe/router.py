@@ -136,6 +136,29 @@ class TopKRouter(nn.Module):
             scores_TE = torch.softmax(logits_TE, dim=-1)
         else:
             scores_TE = logits_TE
+        if cfg.score_func == "sigmoid" and fusion_mode() == "cpp" and fused_router.applies(scores_TE):
+            # from the sigmoid on, one C++ pass each way (moetron/kernels/fused_router.py)
+            weights, topk_idx, selected_counts = fused_router.TopKSigmoid.apply(
+                scores_TE, self.expert_bias, cfg.top_k, cfg.num_groups or 1, cfg.topk_groups or 1,
+                cfg.norm_topk_prob, cfg.scaling_factor)
+        else:
+            weights, topk_idx, selected_counts = self._select(scores_TE)
+
+        # softmax scores are the probabilities the balancing losses measure: one softmax, not two
+        probs_TE = scores_TE if cfg.score_func == "softmax" and cfg.softmax_before_topk else None
+        weights, losses = self._balancing_losses(logits_TE, topk_idx, weights, selected_counts, seq_len, probs_TE)
+        cap = None
+        if cfg.capacity_factor is not None:
+            cap = capacity(x_TH.shape[0], cfg.num_experts, cfg.top_k, cfg.capacity_factor)
+            topk_idx, weights = drop_over_capacity(topk_idx, weights, cfg.num_experts, cap, cfg.drop_policy)
+        routing = Routing.from_topk(topk_idx, weights, cfg.num_experts, cap, dropless=cap is None,
+                                    counts=selected_counts)
+        bias_counts = routing.tokens_per_expert if cfg.bias_update_counts == "kept" else selected_counts
+        return routing, losses, bias_counts
+
+    def _select(self, scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The eager selection from the scores: (weights [T, k], topk_idx [T, k], counts [E])."""
+        cfg = self.config
         choice_TE = scores_TE.detach()
         if self.expert_bias is not None:
             choice_TE = choice_TE + self.expert_bias
@@ -149,19 +172,7 @@ class TopKRouter(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         if cfg.scaling_factor != 1.0:
             weights = weights * cfg.scaling_factor
-        selected_counts = count_per_expert(topk_idx, cfg.num_experts)
-
-        # softmax scores are the probabilities the balancing losses measure: one softmax, not two
-        probs_TE = scores_TE if cfg.score_func == "softmax" and cfg.softmax_before_topk else None
-        weights, losses = self._balancing_losses(logits_TE, topk_idx, weights, selected_counts, seq_len, probs_TE)
-        cap = None
-        if cfg.capacity_factor is not None:
-            cap = capacity(x_TH.shape[0], cfg.num_experts, cfg.top_k, cfg.capacity_factor)
-            topk_idx, weights = drop_over_capacity(topk_idx, weights, cfg.num_experts, cap, cfg.drop_policy)
-        routing = Routing.from_topk(topk_idx, weights, cfg.num_experts, cap, dropless=cap is None,
-                                    counts=selected_counts)
-        bias_counts = routing.tokens_per_expert if cfg.bias_update_counts == "kept" else selected_counts
-        return routing, losses, bias_counts
+        return weights, topk_idx, count_per_expert(topk_idx, cfg.num_experts)
 
     def _fused(self, logits_TE: torch.Tensor):
         """The kernels of the fused softmax top-k that takes this forward, or None: the C++ ones

@@ -244,7 +244,8 @@ def layer_terms(c: ModelConfig, layer_idx: int, cand: Candidate, seq: int, dtype
                                    every_n_layers=1 if cand.full_recompute else 0, dtype=dtype, device=device,
                                    fused_swiglu=cpp, fused_permute=cpp,
                                    fused_router=cpp and fused_router_covers(c.moe_config(), cp=cand.cp),
-                                   cpp_attention=cpp and cand.cp == 1 and _cpp_attention_runs(c, S)).terms
+                                   cpp_attention=cpp and cand.cp == 1 and _cpp_attention_runs(c, S),
+                                   cpp_sigmoid_router=cpp).terms
     out = {n: _scale(n, v, tp, sp) for n, v in terms.items()}
     if tp > 1 and not cand.full_recompute:
         _tensor_parallel_terms(out, terms, c, layer_idx, cand, S, b, sp, modules, cpp)
