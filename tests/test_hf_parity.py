@@ -58,6 +58,9 @@ CASES = {
     "ds-noqlora-g4k1-yarn_unequal-interleave-no_norm": ("deepseek_v3", dict(
         q_lora_rank=None, n_group=4, topk_group=1, first_k_dense_replace=1, rope_interleave=True,
         norm_topk_prob=False, rope_parameters=yarn(1.0, 0.707))),
+    # head dims the C++ attention takes (q/k 16, v 8), interleaved RoPE, groups: every C++ kernel's case
+    "ds-qlora-g4k2-interleave-v8": ("deepseek_v3", dict(q_lora_rank=24, n_group=4, topk_group=2, v_head_dim=8,
+                                                        first_k_dense_replace=1, rope_interleave=True)),
 }
 
 
@@ -67,7 +70,7 @@ def build_hf(family: str, overrides: dict, seed: int):
         cfg = Qwen3MoeConfig(**QWEN, **overrides)
         model_cls = Qwen3MoeForCausalLM
     else:
-        cfg = DeepseekV3Config(**DEEPSEEK, **{k: (dict(v) if isinstance(v, dict) else v) for k, v in overrides.items()})
+        cfg = DeepseekV3Config(**{**DEEPSEEK, **{k: (dict(v) if isinstance(v, dict) else v) for k, v in overrides.items()}})
         model_cls = DeepseekV3ForCausalLM
     cfg._attn_implementation = "eager"
     model = model_cls(cfg)
@@ -217,7 +220,37 @@ def assert_grad_close(name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
                                   "ds-qlora-g4k2-dense1", "ds-noqlora-g2k1-dense2-yarn_equal",
                                   "ds-qlora-g1-yarn_unequal-no_interleave"])
 def test_lm_loss_gradients_match_transformers(saved, case):
+    check_gradients(*saved(case))
+
+
+@pytest.mark.usefixtures("cpp_kernels")
+@pytest.mark.parametrize("case", ["qwen-norm_topk", "ds-qlora-g4k2-interleave-v8"])
+def test_the_cpp_kernels_match_transformers(saved, case, monkeypatch):
+    """Under `train.fusion=cpp` with the C++ permute (what the trainer runs on a CPU): logits and LM-loss
+    gradients within the same bounds, and the C++ attention, RoPE and router really ran (DeepSeek: MLA's
+    v heads narrower than q/k, interleaved RoPE, the group-limited sigmoid router)."""
+    from moetron.dispatch.permute import set_permute_impl
+    from moetron.kernels import attention_cpu, fused_router, norm_rope_cpu
+    from moetron.ops import set_fusion
+
+    ran = []
+    for owner, name in ((attention_cpu.CausalAttention, "apply"), (norm_rope_cpu.RopeFunction, "apply"),
+                        (norm_rope_cpu.RMSNormRopeFunction, "apply"), (fused_router.TopKSigmoid, "apply"),
+                        (fused_router.TopKSoftmax, "apply")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=owner.__name__: ran.append(_name) or _real(*a))
+    set_fusion("cpp")  # conftest.py restores the defaults
+    set_permute_impl("cpp")
     hf, folder = saved(case)
+    assert_logits_close(moetron_logits(from_hf(folder), input_ids(5)), hf_logits(hf, input_ids(5)))
+    check_gradients(hf, folder)
+    want = ({"CausalAttention", "RMSNormRopeFunction", "TopKSoftmax"} if case.startswith("qwen") else
+            {"CausalAttention", "RopeFunction", "TopKSigmoid"})
+    assert set(ran) == want
+
+
+def check_gradients(hf, folder) -> None:
+    """moetron's LM loss equals transformers' and every parameter's gradient is within GRAD_RTOL."""
     hf = copy.deepcopy(hf).train()  # a private copy: gradients must not leak into other tests
     model = from_hf(folder).train()
     ids = input_ids(4)
