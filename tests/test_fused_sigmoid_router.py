@@ -1,6 +1,6 @@
 """DeepSeek-V3's sigmoid router in C++ (`train.fusion=cpp`, the CPU default through `auto`) against the
 eager TopKRouter: from ATen's sigmoid on, the same experts and counts, the weights bit for bit up to
-top-3 and within an ulp beyond (an expert bias, group-limited selection, normalised or not, scaled), the
+top-3 and within 2 ulp beyond (an expert bias, group-limited selection, normalised or not, scaled), the
 gradients of the input and the router weight within a few ulp; its balancing losses and capacity drops stay the eager ones on its output."""
 
 import pytest
@@ -62,7 +62,7 @@ def test_it_agrees_with_the_eager_router(case):
     assert torch.equal(out[0].topk_idx, ref[0].topk_idx)
     assert torch.equal(out[0].tokens_per_expert, ref[0].tokens_per_expert) and torch.equal(out[2], ref[2])
     # the same gathers and products; torch sums a row's k weights in its own order (equal bits up to k=3)
-    torch.testing.assert_close(out[0].topk_weights, ref[0].topk_weights, rtol=3e-7, atol=0)
+    torch.testing.assert_close(out[0].topk_weights, ref[0].topk_weights, rtol=5e-7, atol=0)
     if K <= 3:
         assert torch.equal(out[0].topk_weights, ref[0].topk_weights)
     for got, want in zip(out[3:5], ref[3:5]):  # d x, d router weight

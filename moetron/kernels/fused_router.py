@@ -66,19 +66,32 @@ class TopKSoftmax(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def sigmoid_forward(scores: torch.Tensor, bias, k: int, groups: int, topk_groups: int, normalize: bool,
+                    scale: float):
+    """scores [T, E] -> (weights [T, k], idx [T, k] int64, counts [E] int64): the sigmoid router's selection."""
+    return ops().topk_sigmoid_forward(scores, bias, k, groups, topk_groups, normalize, scale)
+
+
+def sigmoid_backward(grad_weights, scores, idx, normalize: bool, scale: float):
+    """d scores [T, E] (zero off the chosen experts) from d weights [T, k]."""
+    return ops().topk_sigmoid_backward(grad_weights, scores, idx, normalize, scale)
+
+
 class TopKSigmoid(torch.autograd.Function):
     """scores [T, E] fp32 (torch.sigmoid of the logits) -> (weights [T, k], topk_idx [T, k], counts [E] int64).
 
     `bias` [E] (or None) only chooses; `groups` > 1: each token keeps its `topk_groups` best groups of
     E / groups experts (scored by their two largest biased scores) before the top-k. Only `weights` is
     differentiable; its backward hands torch's sigmoid backward d scores (zero off the chosen experts).
+    `kernels`: the module whose `sigmoid_forward` and `sigmoid_backward` run it: this one (C++), or
+    moetron.kernels.triton_router.
     """
 
     @staticmethod
-    def forward(ctx, scores, bias, k: int, groups: int, topk_groups: int, normalize: bool, scale: float):
-        weights, idx, counts = ops().topk_sigmoid_forward(scores, bias, k, groups, topk_groups, normalize, scale)
+    def forward(ctx, scores, bias, k: int, groups: int, topk_groups: int, normalize: bool, scale: float, kernels):
+        weights, idx, counts = kernels.sigmoid_forward(scores, bias, k, groups, topk_groups, normalize, scale)
         ctx.save_for_backward(scores, idx)
-        ctx.normalize, ctx.scale = normalize, scale
+        ctx.normalize, ctx.scale, ctx.kernels = normalize, scale, kernels
         ctx.mark_non_differentiable(idx, counts)
         return weights, idx, counts
 
@@ -87,9 +100,9 @@ class TopKSigmoid(torch.autograd.Function):
     def backward(ctx, grad_weights, *unused):
         scores, idx = ctx.saved_tensors
         if grad_weights is None:
-            return None, None, None, None, None, None, None
-        grad = ops().topk_sigmoid_backward(grad_weights, scores, idx, ctx.normalize, ctx.scale)
-        return grad, None, None, None, None, None, None
+            return (None,) * 8
+        grad = ctx.kernels.sigmoid_backward(grad_weights, scores, idx, ctx.normalize, ctx.scale)
+        return grad, None, None, None, None, None, None, None
 
 
 def applies(logits: torch.Tensor) -> bool:

@@ -136,11 +136,11 @@ class TopKRouter(nn.Module):
             scores_TE = torch.softmax(logits_TE, dim=-1)
         else:
             scores_TE = logits_TE
-        if cfg.score_func == "sigmoid" and fusion_mode() == "cpp" and fused_router.applies(scores_TE):
-            # from the sigmoid on, one C++ pass each way (moetron/kernels/fused_router.py)
+        sigmoid_kernels = self._kernels(scores_TE) if cfg.score_func == "sigmoid" else None
+        if sigmoid_kernels is not None:  # from the sigmoid on, one C++ pass or Triton kernel each way
             weights, topk_idx, selected_counts = fused_router.TopKSigmoid.apply(
                 scores_TE, self.expert_bias, cfg.top_k, cfg.num_groups or 1, cfg.topk_groups or 1,
-                cfg.norm_topk_prob, cfg.scaling_factor)
+                cfg.norm_topk_prob, cfg.scaling_factor, sigmoid_kernels)
         else:
             weights, topk_idx, selected_counts = self._select(scores_TE)
 
@@ -174,18 +174,24 @@ class TopKRouter(nn.Module):
             weights = weights * cfg.scaling_factor
         return weights, topk_idx, count_per_expert(topk_idx, cfg.num_experts)
 
+    @staticmethod
+    def _kernels(scores_TE: torch.Tensor):
+        """The kernels of a fused router pass over `scores_TE` (or logits): the C++ ones (train.fusion=cpp)
+        or the Triton ones (train.fusion=triton), or None (eager)."""
+        mode = fusion_mode()
+        if mode == "cpp" and fused_router.applies(scores_TE):
+            return fused_router
+        if mode == "triton" and _triton_router() is not None and _triton_router().applies(scores_TE):
+            return _triton_router()
+        return None
+
     def _fused(self, logits_TE: torch.Tensor):
         """The kernels of the fused softmax top-k that takes this forward, or None: the C++ ones
         (train.fusion=cpp) or the Triton ones (train.fusion=triton), for the routers `fused_router_covers`."""
         cp = self.cp_group.size if self.cp_group is not None else 1
         if not fused_router_covers(self.config, self.training and torch.is_grad_enabled(), cp):
             return None
-        mode = fusion_mode()
-        if mode == "cpp" and fused_router.applies(logits_TE):
-            return fused_router
-        if mode == "triton" and _triton_router() is not None and _triton_router().applies(logits_TE):
-            return _triton_router()
-        return None
+        return self._kernels(logits_TE)
 
     def _fused_forward(self, logits_TE: torch.Tensor, kernels) -> tuple[Routing, RouterLosses, torch.Tensor]:
         """forward's result from one fused pass (`kernels`: fused_router or triton_router): the Switch
