@@ -54,7 +54,7 @@ cat "$OUT/env.txt"
 
 for step in $STEPS; do
     case $step in
-    tests) part tests 180 $PY -m pytest tests/test_cuda.py tests/test_triton_sigmoid_router.py::test_compiled_on_a_gpu_it_agrees_with_the_eager_selection -q -rs -p no:cacheprovider -s ;;
+    tests) part tests 180 $PY -m pytest tests/test_cuda.py tests/test_cuda_deepseek.py -q -rs -p no:cacheprovider -s ;;
     moe) part moe_layer 100 $PY benchmarks/moe_layer.py --device cuda --dtype bf16 --tokens 16384 --hidden 2048 \
              --ffn 1024 --experts 64 --topk 8 --skip "hf eager" --repeats 20 --warmup 3 --profile \
              --trace "$OUT/moe_layer_trace.json.gz" ;;

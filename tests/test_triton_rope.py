@@ -58,16 +58,18 @@ def test_refused_inputs_go_eager_and_bad_ones_are_named(k):
 
 def test_apply_rope_goes_through_it_under_triton_fusion(k, monkeypatch):
     calls = []
-    monkeypatch.setattr(k.RopeFunction, "apply", lambda *a: calls.append(1) or _rope_ref(*a, False))
+    monkeypatch.setattr(k.RopeFunction, "apply", lambda x, c, s, inter=False: calls.append(1) or _rope_ref(x, c, s, inter))
     x, cos, sin, _ = _inputs(1, 2, 3, 8, torch.float32, True, False)
     ops.set_fusion("triton")
     try:
         out = ops.apply_rope(x, cos, sin)
-        interleaved = ops.apply_rope(x, cos, sin, interleaved=True)  # the DeepSeek layout stays eager
+        interleaved = ops.apply_rope(x, cos, sin, interleaved=True)  # the DeepSeek layout too
+        bf16 = ops.apply_rope(x, cos.bfloat16(), sin.bfloat16())  # cos/sin of another dtype than x's: eager
     finally:
         ops.set_fusion("none")
-    assert calls == [1] and torch.equal(out, _rope_ref(x, cos, sin, False))
+    assert calls == [1, 1] and torch.equal(out, _rope_ref(x, cos, sin, False))
     assert torch.equal(interleaved, _rope_ref(x, cos, sin, True))
+    assert bf16.dtype == torch.float32
 
 
 def test_a_qwen3_model_under_triton_fusion_trains_as_eager(k, monkeypatch):
@@ -109,3 +111,29 @@ def test_a_qwen3_model_under_triton_fusion_trains_as_eager(k, monkeypatch):
     torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_interleaved_pairs_of_mla_slices_have_the_references_bits(k, dtype):
+    """DeepSeek-V3's RoPE: q's rotary 8 of 24 per head (a strided slice) and the shared key [B, 1, S, 8] (a
+    slice of kv_a's output), the pairs (x[2i], x[2i+1]) rotated and written in halves layout: the eager
+    reference's output and gradient bit for bit."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 5, 4, 24, generator=g).to(dtype).transpose(1, 2)[..., 16:]
+    kr = torch.randn(2, 5, 40, generator=g).to(dtype)[..., 32:].view(2, 1, 5, 8)
+    angles = torch.rand(1, 5, 4, generator=g, dtype=torch.float64) * 6.3
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    for x in (q, kr):
+        assert k.applies(x, cos, sin, interleaved=True) and not k.applies(x, cos, sin)  # a slice: interleaved only
+        dy = torch.randn(x.shape, generator=g).to(dtype)
+        results = []
+        for fn in (lambda t: k.RopeFunction.apply(t, cos, sin, True), lambda t: _rope_ref(t, cos, sin, True)):
+            xi = x.detach().clone().requires_grad_()
+            out = fn(xi)
+            out.backward(dy)
+            results.append((out.detach(), xi.grad))
+        (out, dx), (want, want_dx) = results
+        assert torch.equal(out, want) and torch.equal(dx, want_dx)
+        assert not torch.equal(out, _rope_ref(x, cos, sin, False))  # the pairs really are interleaved
+

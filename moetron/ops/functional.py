@@ -231,8 +231,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     if (_mode == "cpp" and not (cos.requires_grad or sin.requires_grad)
             and norm_rope_cpu.rope_applies(x, cos, sin)):
         return norm_rope_cpu.RopeFunction.apply(x, cos.unsqueeze(1), sin.unsqueeze(1), interleaved)
-    if _mode == "triton" and not interleaved and _triton_rope.applies(x, cos, sin):
-        return _triton_rope.RopeFunction.apply(x, cos, sin)
+    if _mode == "triton" and _triton_rope.applies(x, cos, sin, interleaved):
+        return _triton_rope.RopeFunction.apply(x, cos, sin, interleaved)
     return _rope_eager(x, cos, sin, interleaved)
 
 
