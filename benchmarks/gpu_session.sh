@@ -7,6 +7,8 @@
 #   SIZES=mid,proxy ...                                    # train_step.py's sizes (default tiny,mid,proxy)
 #   STEPS="profile compile" ...                            # the trainer's profile (Chrome trace); compiled
 #   STEPS="syncs" ...                                      # where a proxy step makes the host wait for the GPU
+#   STEPS="tests deepseek" ...                             # DeepSeek-V3 (MLA, sigmoid router): train_step.py
+#       --model deepseek-v3 at tiny and mid, and 30 steps of its tiny recipe in bf16 through the trainer
 #   STEPS="trainer trainer_eager" ...                      # A/B: Triton vs eager RMSNorm
 #   OLD=.old STEPS=trainer_ab ...                          # A/B: this tree against a baseline checkout, e.g.
 #       `git worktree add .old <commit>`, listed in .git/info/exclude and carried to the GPU machine
@@ -60,6 +62,10 @@ for step in $STEPS; do
              --trace "$OUT/moe_layer_trace.json.gz" ;;
     train_step) part train_step 150 $PY benchmarks/train_step.py --device cuda --dtype bf16 --sizes "${SIZES:-tiny,mid,proxy}" \
              --repeats 9 --warmup 3 --peak-tflops 989 ;;
+    deepseek) part ds_train_step 120 $PY benchmarks/train_step.py --model deepseek-v3 --device cuda --dtype bf16 \
+                  --sizes tiny,mid --repeats 9 --warmup 3 --peak-tflops 989
+              part ds_trainer 60 $PY -m moetron train --recipe deepseek-v3-tiny --set train.device=cuda \
+                  --set train.dtype=bf16 --set train.steps=30 --set train.log_every=5 ;;
     trainer) part trainer 100 $PY -m moetron train $PROXY --set train.steps=30 --set train.log_every=1 ;;
     # A/B on the same machine: the trainer with eager RMSNorm
     trainer_eager) part trainer_eager 100 $PY -m moetron train $PROXY --set train.fusion=none --set train.steps=30 \
@@ -76,15 +82,15 @@ for step in $STEPS; do
 done
 
 echo; echo "##### summary"
-for f in tests moe_layer train_step trainer trainer_eager trainer_ab profile_step syncs compile; do
+for f in tests moe_layer train_step ds_train_step ds_trainer trainer trainer_eager trainer_ab profile_step syncs compile; do
     [ -f "$OUT/$f.txt" ] || continue
     echo "----- $f"
     case $f in
     tests) grep -E "passed|failed|error|SKIPPED|^(bf16|FP8|grouped|trainer)" "$OUT/$f.txt" | tail -12 ;;
     moe_layer) grep -E -A7 "^candidate" "$OUT/$f.txt"; grep -E "^moetron:" "$OUT/$f.txt" ;;
-    train_step) grep -E -A6 "^size" "$OUT/$f.txt" ;;
+    train_step|ds_train_step) grep -E -A6 "^size" "$OUT/$f.txt" ;;
     trainer_ab) grep -E "^(old|new) run" "$OUT/$f.txt" ;;
-    trainer*|compile) grep -E "^(recipe|memory|step +(1|5|10|15|20|25|30)/|done)" "$OUT/$f.txt" ;;
+    trainer*|ds_trainer|compile) grep -E "^(recipe|memory|step +(1|5|10|15|20|25|30)/|done)" "$OUT/$f.txt" ;;
     profile_step) grep "profiled steps" "$OUT/$f.txt" ;;
     syncs) grep -A12 "synchronisations a step" "$OUT/$f.txt" ;;
     esac
