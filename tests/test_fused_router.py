@@ -25,13 +25,14 @@ def _router(E, K, seed=0, **fields):
     return TopKRouter(cfg)
 
 
-def _run(router, x, grad_w, mode):
-    """Routing, loss values and the gradients of x and the router weight under fusion `mode`."""
+def _run(router, x, grad_w, mode, kernel="TopKSoftmax"):
+    """Routing, loss values, the gradients of x and the router weight under fusion `mode`, and whether
+    the fused `kernel` (its autograd Function's name) made the weights."""
     ops.set_fusion(mode)
     x = x.clone().requires_grad_()
     router.weight.grad = None
     routing, losses, counts = router(x)
-    fused = type(routing.topk_weights.grad_fn).__name__.startswith("TopKSoftmax")
+    fused = type(routing.topk_weights.grad_fn).__name__.startswith(kernel)
     (routing.topk_weights * grad_w).sum().backward()
     return routing, losses, counts, x.grad, router.weight.grad.clone(), fused
 
@@ -109,6 +110,7 @@ def test_ties_go_to_the_lower_expert():
                                     dict(capacity_factor=1.0), dict(softmax_before_topk=False),
                                     dict(aux_loss_type="seq_aux_loss", aux_loss_coeff=0.01)])
 def test_routers_it_does_not_cover_stay_eager(fields, aux_scale):
+    """The softmax pass leaves these routers alone (a sigmoid router takes its own: test_fused_sigmoid_router.py)."""
     router = _router(8, 2, **fields)
     x = torch.randn(32, 24)
     assert not _run(router, x, torch.randn(32, 2), "cpp")[5]

@@ -3,12 +3,15 @@ eager TopKRouter: from ATen's sigmoid on, the same experts and counts, the weigh
 top-3 and within 2 ulp beyond (an expert bias, group-limited selection, normalised or not, scaled), the
 gradients of the input and the router weight within a few ulp; its balancing losses and capacity drops stay the eager ones on its output."""
 
+import functools
+
 import pytest
 import torch
 
 from moetron import MoEConfig, ops
 from moetron.kernels import fused_router
 from moetron.moe.router import TopKRouter
+from test_fused_router import _run as _router_run
 
 pytestmark = pytest.mark.usefixtures("one_thread", "cpp_kernels")  # conftest.py
 
@@ -19,6 +22,9 @@ def eager_after():
     ops.set_fusion("none")
 
 
+_run = functools.partial(_router_run, kernel="TopKSigmoid")  # routing, losses, gradients, and whether it ran
+
+
 def _router(E, K, seed=0, **fields):
     torch.manual_seed(seed)
     cfg = MoEConfig(hidden_size=24, ffn_hidden_size=32, num_experts=E, top_k=K, init_std=0.5, score_func="sigmoid",
@@ -27,16 +33,6 @@ def _router(E, K, seed=0, **fields):
     if router.expert_bias is not None:  # zero at init: a trained bias changes the choice, never the weights
         router.expert_bias.copy_(0.2 * torch.randn(E, generator=torch.Generator().manual_seed(seed + 1)))
     return router
-
-
-def _run(router, x, grad_w, mode):
-    ops.set_fusion(mode)
-    x = x.clone().requires_grad_()
-    router.weight.grad = None
-    routing, losses, counts = router(x)
-    fused = type(routing.topk_weights.grad_fn).__name__.startswith("TopKSigmoid")
-    (routing.topk_weights * grad_w).sum().backward()
-    return routing, losses, counts, x.grad, router.weight.grad.clone(), fused
 
 
 CASES = {
